@@ -1,0 +1,1 @@
+"""tracegym gateway: FastAPI app, upstream adapters, templating, tracing, store. Never imports torch."""

@@ -1,0 +1,1 @@
+"""tracegym gateway/store/migrations."""

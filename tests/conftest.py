@@ -1,0 +1,53 @@
+"""Shared fixtures: free ports, real child processes (always cleaned up), store URLs for SQLite and a
+real PostgreSQL, and the ``tiny-random`` model prepared once per session."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.procs import PG_ADMIN_URL, ManagedProcess, free_port, pg_available, start_process  # noqa: F401
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """``tiny-random`` prepared in the cache (built once, reused by later runs)."""
+    from tracegym.trainer.models import prepare_model
+
+    return prepare_model("tiny-random")
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'tracegym.db'}"
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for one test, dropped afterwards."""
+    if not pg_available():
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL is not reachable on 127.0.0.1:5432 (CI must start it)")
+        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
+    import psycopg
+
+    name = f"tg_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.pg)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Runs a test once against SQLite and once against a real PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'tracegym.db'}"
+    return request.getfixturevalue("pg_url")

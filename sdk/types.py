@@ -98,6 +98,9 @@ class Sequence:
     agent_name: str | None = None
     weight_versions: list[str] = field(default_factory=list)
     call_ids: list[str] = field(default_factory=list)
+    """The calls whose sampled tokens this sequence trains (mask 1), in order."""
+    choice_indices: list[int] = field(default_factory=list)
+    """The choice of each entry of ``call_ids`` (a call with ``n`` > 1 appears once per choice)."""
     retokenized: bool = False
     reward: float | None = None
     """This sequence's reward (the rollout reward, possibly discounted per sequence)."""
@@ -113,6 +116,9 @@ class Trajectory:
     sequences: list[Sequence]
     group_id: str | None = None
     status: str | None = None
+    excluded: list[dict[str, Any]] = field(default_factory=list)
+    """Call choices left out of every sequence: ``{"call_id", "choice_index", "reason"}`` with reason
+    ``agent`` (not matched by ``agent_match``), ``no_ids``, ``error`` or ``retokenized``."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,4 +134,5 @@ class Trajectory:
             sequences=seqs,
             group_id=d.get("group_id"),
             status=d.get("status"),
+            excluded=list(d.get("excluded") or []),
         )

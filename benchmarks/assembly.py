@@ -1,0 +1,209 @@
+"""Trajectory assembly throughput: spans/s fetched from a SQLite store and assembled, and how the time
+grows with the number of spans (printed as the ratio at 10x the size; linear is ~10). Times are this
+process's CPU time (SQLite runs in-process), so a busy shared machine does not distort them.
+
+Rollouts are realistic multi-turn agent runs: a ~300-token system+task prompt, then ``--turns`` calls,
+each emitting ~100 sampled tokens followed by a ~150-token tool result, so prompts grow to ~2,000 ids.
+They are inserted with ``Store.insert_call_records`` (the store's own span rows), then read back the way
+``GET /api/trajectories`` reads them: a page of rollouts (``list_rollouts``), their CallRecords in one
+query, their reward events (one query per rollout), ``assemble_rollout``, ``check_invariants``. The
+last line assembles records whose ids are ``array('i')`` (what a store could hand out without building
+an int object per token) to show what that would buy.
+
+    python benchmarks/assembly.py [--rollouts 100] [--turns 8] [--scale 10] [--system-tokens 300] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tracegym.gateway.assembly import AssemblyOptions, assemble_rollout, check_invariants
+from tracegym.gateway.store import Store
+from tracegym.types import CallRecord, ChoiceRecord
+
+PAGE = 100
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Token counts of a synthetic rollout (outputs and tool results vary ±40% around the mean)."""
+
+    turns: int = 8
+    system: int = 300
+    output: int = 100
+    tool: int = 150
+
+
+def _around(rng: random.Random, mean: int) -> int:
+    return rng.randint(max(1, mean * 6 // 10), max(1, mean * 14 // 10))
+
+
+def make_rollout(rid: str, shape: Shape, rng: random.Random) -> list[CallRecord]:
+    prompt = [rng.randrange(50_000) for _ in range(shape.system)]
+    messages: list[dict] = [{"role": "system", "content": "You are a tool-using agent. " * 20}]
+    calls = []
+    for i in range(shape.turns):
+        out = [rng.randrange(50_000) for _ in range(_around(rng, shape.output))]
+        lps = [-rng.random() * 3 for _ in out]
+        calls.append(
+            CallRecord(
+                call_id=f"{rid}-{i}",
+                rollout_id=rid,
+                operation="chat",
+                model="bench",
+                upstream_kind="sglang",
+                request={"messages": list(messages), "temperature": 1.0, "max_tokens": 256},
+                choices=[
+                    ChoiceRecord(0, out, lps, "tool_calls", {"role": "assistant", "content": "x" * 300})
+                ],
+                prompt_ids=list(prompt),
+                agent_name="agent",
+                weight_version="v3",
+                input_tokens=len(prompt),
+                output_tokens=len(out),
+                start_time_ns=1_700_000_000_000_000_000 + i * 10**9,
+                end_time_ns=1_700_000_000_000_000_000 + i * 10**9 + 5 * 10**8,
+            )
+        )
+        tool = [rng.randrange(50_000) for _ in range(_around(rng, shape.tool))]
+        prompt = prompt + out + tool
+        messages += [{"role": "assistant", "content": "x" * 300}, {"role": "tool", "content": "y" * 600}]
+    return calls
+
+
+def fill(store: Store, n_rollouts: int, shape: Shape, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    groups = store.enqueue_tasks([{"input": {"i": i}} for i in range(n_rollouts)])
+    rids = [g["rollout_ids"][0] for g in groups]
+    for start in range(0, n_rollouts, PAGE):
+        batch = [c for rid in rids[start : start + PAGE] for c in make_rollout(rid, shape, rng)]
+        store.insert_call_records(batch)
+    for rid in rids[::2]:
+        store.add_reward(rid, 1.0, idempotency_key=f"{rid}-r", name="tool_ok", call_index=1)
+    return rids
+
+
+def pages(store: Store) -> Iterator[list[dict]]:
+    """All rollouts, a page at a time, the way ``GET /api/trajectories`` reads them."""
+    cursor: str | None = None
+    while True:
+        rows, cursor = store.list_rollouts(limit=PAGE, cursor=cursor)
+        yield rows
+        if cursor is None:
+            return
+
+
+def run(store: Store, *, events: bool, check: bool) -> tuple[float, float, int]:
+    """(total CPU seconds, CPU seconds spent in assembly + checks, spans) for one pass over the store.
+    CPU time of this process, not wall time: the machine may be shared, and SQLite runs in-process."""
+    opts = AssemblyOptions()
+    spans = 0
+    t_asm = 0.0
+    t0 = time.process_time()
+    for rows in pages(store):
+        calls = store.list_call_records_many([r["rollout_id"] for r in rows])
+        for row in rows:
+            cs = calls[row["rollout_id"]]
+            evs = store.list_events(row["rollout_id"], kind="reward") if events else []
+            a = time.process_time()
+            traj = assemble_rollout(row, cs, evs, opts)
+            if check:
+                check_invariants(cs, traj)
+            t_asm += time.process_time() - a
+            assert len(traj.sequences) == 1
+            spans += len(cs)
+    return time.process_time() - t0, t_asm, spans
+
+
+def fetch_only(store: Store, rids: list[str]) -> tuple[float, int]:
+    t0 = time.process_time()
+    n = 0
+    for start in range(0, len(rids), PAGE):
+        n += sum(len(v) for v in store.list_call_records_many(rids[start : start + PAGE]).values())
+    return time.process_time() - t0, n
+
+
+def _arrays(calls: list[CallRecord]) -> list[CallRecord]:
+    """The same records with ``array('i')`` ids, as a store could hand them out without ``tolist``."""
+    out = []
+    for c in calls:
+        chs = [replace(ch, output_ids=array("i", ch.output_ids)) for ch in c.choices]
+        out.append(replace(c, prompt_ids=array("i", c.prompt_ids), choices=chs))
+    return out
+
+
+def assemble_arrays(store: Store, rids: list[str]) -> tuple[float, int]:
+    """CPU seconds of assembly alone on array-id records (converted outside the timing)."""
+    opts, total, n = AssemblyOptions(), 0.0, 0
+    for start in range(0, len(rids), PAGE):
+        page = rids[start : start + PAGE]
+        calls = {rid: _arrays(cs) for rid, cs in store.list_call_records_many(page).items()}
+        t0 = time.process_time()
+        for rid in page:
+            assemble_rollout({"rollout_id": rid, "reward": 1.0}, calls[rid], [], opts)
+        total += time.process_time() - t0
+        n += sum(len(cs) for cs in calls.values())
+    return total, n
+
+
+def measure(store: Store, rids: list[str]) -> dict[str, float]:
+    """CPU seconds of each measured path over the whole store."""
+    r: dict[str, float] = {}
+    r["fetch"], _ = fetch_only(store, rids)
+    r["fetch+assemble"], r["assemble"], _ = run(store, events=False, check=False)
+    r["fetch+events+assemble+check"], r["assemble+check"], _ = run(store, events=True, check=True)
+    r["assemble (array ids)"], _ = assemble_arrays(store, rids)
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rollouts", type=int, default=100)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--system-tokens", type=int, default=300, help="first prompt length")
+    ap.add_argument("--output-tokens", type=int, default=100, help="mean sampled tokens per call")
+    ap.add_argument("--tool-tokens", type=int, default=150, help="mean tool-result tokens per turn")
+    ap.add_argument("--scale", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="measure each size this often, keep the best")
+    args = ap.parse_args()
+    shape = Shape(args.turns, args.system_tokens, args.output_tokens, args.tool_tokens)
+    sizes = {"1x": args.rollouts, f"{args.scale}x": args.rollouts * args.scale}
+    best: dict[str, dict[str, float]] = {}
+    spans: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        stores = {label: Store.open(f"sqlite:///{Path(tmp) / f'{label}.db'}") for label in sizes}
+        try:
+            rids = {}
+            for label, n in sizes.items():
+                t0 = time.perf_counter()
+                rids[label] = fill(stores[label], n, shape, seed=n)
+                spans[label] = fetch_only(stores[label], rids[label])[1]
+                print(
+                    f"[{label}] {n} rollouts x {args.turns} turns = {spans[label]} spans, "
+                    f"inserted in {time.perf_counter() - t0:.1f}s"
+                )
+            for _ in range(args.rounds):  # sizes interleaved, so a busy moment hits both alike
+                for label in sizes:
+                    for key, t in measure(stores[label], rids[label]).items():
+                        best.setdefault(label, {})[key] = min(t, best.get(label, {}).get(key, t))
+        finally:
+            for store in stores.values():
+                store.close()
+    (small, s_n), (big, b_n) = ((best[k], spans[k]) for k in sizes)
+    print(
+        f"CPU spans/s (best of {args.rounds}); time ratio at {b_n / s_n:.0f}x the spans (linear = {b_n / s_n:.0f}):"
+    )
+    print(f"  {'path':30s} {'1x':>10s} {f'{args.scale}x':>10s} {'ratio':>7s}")
+    for key in small:
+        print(f"  {key:30s} {s_n / small[key]:10,.0f} {b_n / big[key]:10,.0f} {big[key] / small[key]:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""A tiny SGLang fake (aiohttp): ``/generate`` answers a fixed reply with zero latency, plus
+``/model_info``, ``/health``, ``/abort_request``. For the gateway benchmark and gateway tests.
+
+    python -m benchmarks.fake_sglang --port 30001 [--tokenizer DIR --reply TEXT] [--delay 5]
+
+With ``--tokenizer``, the reply's ids are ``encode(reply) + [eos]`` (so the gateway decodes the reply
+back); without it, the ids are fixed small integers. Honours ``max_new_tokens`` (finish ``length``),
+``n`` (list response) and ``stream`` (SGLang's cumulative chunks, one token per chunk). ``--delay``
+sleeps before answering (timeouts); ``--stream-delay`` sleeps between stream chunks (disconnects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+KNOWN_SAMPLING = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "n",
+    "sampling_seed", "frequency_penalty", "presence_penalty", "ignore_eos", "skip_special_tokens",
+    "no_stop_trim",
+}
+
+
+class Fake:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.requests: list[dict[str, Any]] = []
+        self.aborted: list[str] = []
+        if args.tokenizer:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(f"{args.tokenizer}/tokenizer.json")
+            eos = tok.token_to_id("<|im_end|>")
+            self.ids = [*tok.encode(args.reply, add_special_tokens=False).ids, eos]
+            self.texts = [tok.decode([i]) for i in self.ids]
+            self.eos = eos
+        else:
+            self.ids = list(range(100, 100 + args.tokens))
+            self.texts = [f"t{i}" for i in self.ids]
+            self.eos = None
+        self.reply = args.reply
+
+    def plan(self, max_new: int | None, stops: list[str]) -> tuple[int, dict]:
+        """How many reply tokens to send and the final finish_reason (length / stop string / eos)."""
+        for k in range(1, len(self.ids) + 1):
+            text = "".join(self.texts[:k])
+            hit = next((s for s in stops if s in text), None)
+            if max_new is not None and k > max_new:
+                return max_new, {"type": "length", "length": max_new}
+            if hit is not None:
+                return k, {"type": "stop", "matched": hit}
+        if max_new is not None and max_new < len(self.ids):
+            return max_new, {"type": "length", "length": max_new}
+        return len(self.ids), {"type": "stop", "matched": self.eos if self.eos is not None else "</s>"}
+
+    def item(self, rid: str, prompt_len: int, n_tokens: int, index: int, total: int, fr: dict) -> dict:
+        ids = self.ids[:n_tokens]
+        meta = {
+            "id": rid, "finish_reason": fr if n_tokens >= total else None, "prompt_tokens": prompt_len,
+            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.args.weight_version,
+            "output_token_logprobs": [[-0.5 - 0.01 * k, t, None] for k, t in enumerate(ids)],
+        }
+        return {"text": "".join(self.texts[: len(ids)]), "output_ids": ids, "meta_info": meta, "index": index}
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        if self.args.record:
+            self.requests.append(body)
+        bad = set(body.get("sampling_params", {})) - KNOWN_SAMPLING
+        if bad:
+            return web.json_response({"error": {"message": f"unknown sampling params {sorted(bad)}"}}, status=400)
+        if "input_ids" not in body:
+            return web.json_response({"error": {"message": "input_ids required"}}, status=400)
+        if self.args.delay:
+            await asyncio.sleep(self.args.delay)
+        sp = body.get("sampling_params", {})
+        n = int(sp.get("n", 1))
+        rid, plen = body.get("rid", "fake"), len(body["input_ids"])
+        total, fr = self.plan(sp.get("max_new_tokens"), sp.get("stop") or [])
+        if not body.get("stream"):
+            items = [self.item(rid, plen, total, i, total, fr) for i in range(n)]
+            return web.Response(body=orjson.dumps(items if n > 1 else items[0]), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for k in range(1, total + 1):
+                for i in range(n):
+                    await resp.write(b"data: " + orjson.dumps(self.item(rid, plen, k, i, total, fr)) + b"\n\n")
+                if self.args.stream_delay:
+                    await asyncio.sleep(self.args.stream_delay)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.aborted.append(rid)
+            raise
+        return resp
+
+    async def model_info(self, _: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.args.tokenizer or "fake", "served_model_name": self.args.model_name,
+            "tokenizer_path": self.args.tokenizer, "is_generation": True,
+            "weight_version": self.args.weight_version,
+        })
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def abort(self, request: web.Request) -> web.Response:
+        self.aborted.append(orjson.loads(await request.read()).get("rid", ""))
+        return web.Response()
+
+    async def debug(self, _: web.Request) -> web.Response:
+        """Test hook: the requests received (with ``--record``) and the rids aborted."""
+        return web.Response(text=json.dumps({"requests": self.requests, "aborted": self.aborted}),
+                            content_type="application/json")
+
+
+def build_app(args: argparse.Namespace) -> web.Application:
+    fake = Fake(args)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/generate", fake.generate)
+    app.router.add_get("/model_info", fake.model_info)
+    app.router.add_get("/health", fake.health)
+    app.router.add_post("/abort_request", fake.abort)
+    app.router.add_get("/debug", fake.debug)
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json")
+    p.add_argument("--reply", default="Hello! 2 + 3 = 5.")
+    p.add_argument("--tokens", type=int, default=16, help="reply length without --tokenizer")
+    p.add_argument("--model-name", default="fake-model")
+    p.add_argument("--weight-version", default="v0")
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--stream-delay", type=float, default=0.0)
+    p.add_argument("--record", action="store_true", help="keep received requests for GET /debug")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(build_app(args), host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

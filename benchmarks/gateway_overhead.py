@@ -1,0 +1,191 @@
+"""Gateway overhead: the same load sent straight to a zero-latency SGLang fake and through the gateway,
+in one run, side by side. Prints p50/p99 latency and the added latency at concurrency 1 and 32, and req/s.
+
+    python -m benchmarks.gateway_overhead [--store sqlite|none] [--requests 2000] [--op chat|completion]
+
+Processes: the fake (benchmarks/fake_sglang.py), the gateway (``tracegym serve``, one uvicorn worker,
+uvloop + httptools) and an aiohttp load generator (``loadgen`` mode of this script) each run on their
+own. Direct requests are the ``/generate`` body the gateway itself sends for the same chat call, so the
+difference is the gateway's work: parsing, chat templating + tokenizing, prefix planning, the upstream
+hop, decoding, response building and (with ``--store sqlite``) recording the span.
+Targets: p50 added ≤ 1 ms at c=1; ≥ 2,000 req/s at c=32."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MESSAGES = [{"role": "system", "content": "You are a careful math tutor."},
+            {"role": "user", "content": "What is 2+3? Answer with one short sentence."}]
+
+
+# ---------------------------------------------------------------------------------------- load generator
+
+async def _load(url: str, body: bytes, concurrency: int, n: int, warmup: int) -> dict:
+    import aiohttp
+
+    lat: list[float] = []
+    errors = 0
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        async def one(record: bool) -> None:
+            nonlocal errors
+            t0 = time.perf_counter()
+            async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                if r.status != 200:
+                    errors += 1
+            if record:
+                lat.append(time.perf_counter() - t0)
+
+        async def worker(count: int, record: bool) -> None:
+            for _ in range(count):
+                await one(record)
+
+        await asyncio.gather(*(worker(max(1, warmup // concurrency), False) for _ in range(concurrency)))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(n // concurrency, True) for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    lat.sort()
+    return {"n": len(lat), "errors": errors, "rps": len(lat) / wall, "p50_ms": 1000 * _q(lat, 0.5),
+            "p99_ms": 1000 * _q(lat, 0.99), "mean_ms": 1000 * statistics.fmean(lat)}
+
+
+def _q(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def loadgen_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", required=True)
+    p.add_argument("--body", required=True, help="file with the JSON body")
+    p.add_argument("--concurrency", type=int, required=True)
+    p.add_argument("--requests", type=int, required=True)
+    p.add_argument("--warmup", type=int, default=200)
+    a = p.parse_args(argv)
+    import uvloop
+
+    res = uvloop.run(_load(a.url, Path(a.body).read_bytes(), a.concurrency, a.requests, a.warmup))
+    print(json.dumps(res))
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(argv: list[str], health: str, log: Path) -> subprocess.Popen:
+    import httpx
+
+    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv} exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(health, timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"{argv} not healthy")
+
+
+def _run_load(url: str, body: dict, concurrency: int, n: int, tmp: Path) -> dict:
+    f = tmp / f"body-{abs(hash(url)) % 10_000}.json"
+    f.write_text(json.dumps(body))
+    out = subprocess.run([sys.executable, "-m", "benchmarks.gateway_overhead", "loadgen", "--url", url,
+                          "--body", str(f), "--concurrency", str(concurrency), "--requests", str(n)],
+                         capture_output=True, text=True, cwd=REPO, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process (Linux /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tokenizer_dir(arg: str | None) -> Path:
+    from tracegym.models import find_local_model_dir
+
+    d = find_local_model_dir(arg or "tiny-random")
+    if d is None:
+        raise SystemExit("no tokenizer: run `tracegym models prepare tiny-random` or pass --tokenizer DIR")
+    return d
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "loadgen":
+        loadgen_main(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--store", choices=["sqlite", "none"], default="sqlite")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--op", choices=["chat", "completion"], default="chat")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the tiny-random cache)")
+    a = p.parse_args()
+    tok_dir = _tokenizer_dir(a.tokenizer)
+    tmp = Path(tempfile.mkdtemp(prefix="tg-bench-"))
+    fport, gport = _free_port(), _free_port()
+    store = f"sqlite:///{tmp / 'tg.db'}" if a.store == "sqlite" else "none"
+    procs = []
+    try:
+        procs.append(_start([sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport), "--tokenizer",
+                             str(tok_dir)], f"http://127.0.0.1:{fport}/health", tmp / "fake.log"))
+        procs.append(_start([sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport), "--upstream",
+                             f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store", store,
+                             "--log-level", "warning"], f"http://127.0.0.1:{gport}/healthz", tmp / "gw.log"))
+        from tracegym.gateway.templating import ChatTokenizer
+
+        tok = ChatTokenizer.from_dir(tok_dir)
+        ids = tok.apply(MESSAGES) if a.op == "chat" else tok.encode("2+3=")
+        direct = {"input_ids": ids, "rid": "bench", "return_logprob": True, "stream": False,
+                  "sampling_params": {"max_new_tokens": 64, "stop_token_ids": tok.eos_token_ids}}
+        if a.op == "chat":
+            via, path = {"model": str(tok_dir), "messages": MESSAGES, "max_tokens": 64}, "/v1/chat/completions"
+        else:
+            via, path = {"model": str(tok_dir), "prompt": "2+3=", "max_tokens": 64}, "/v1/completions"
+        print(f"load average {Path('/proc/loadavg').read_text().split()[0]} on {__import__('os').cpu_count()} cores; "
+              f"gateway overhead, op={a.op}, recording={'on (SQLite store)' if a.store == 'sqlite' else 'off'}, "
+              f"{a.requests} requests per point, prompt {len(ids)} tokens")
+        print(f"{'c':>3} {'path':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'server CPU us/req':>18}")
+        for c in (1, 32):
+            n = a.requests if c > 1 else max(500, a.requests // 4)
+            cpu0 = _cpu_seconds(procs[0].pid)
+            d = _run_load(f"http://127.0.0.1:{fport}/generate", direct, c, n, tmp)
+            cpu1, gcpu0 = _cpu_seconds(procs[0].pid), _cpu_seconds(procs[1].pid)
+            g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp)
+            gcpu1 = _cpu_seconds(procs[1].pid)
+            d["cpu_us"] = 1e6 * (cpu1 - cpu0) / (n + 200)  # the fake's CPU (warm-up included)
+            g["cpu_us"] = 1e6 * (gcpu1 - gcpu0) / (n + 200)  # the gateway's own CPU
+            for name, r in (("direct", d), ("gateway", g)):
+                print(f"{c:>3} {name:8} {r['rps']:>8.0f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['errors']:>6}"
+                      f" {r['cpu_us']:>18.0f}")
+            print(f"{c:>3} added    p50 {g['p50_ms'] - d['p50_ms']:+.3f} ms, p99 {g['p99_ms'] - d['p99_ms']:+.3f} ms,"
+                  f" gateway/direct req/s = {g['rps'] / d['rps']:.2f}")
+    finally:
+        for pr in procs:
+            pr.terminate()
+            pr.wait(timeout=15)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Trajectory assembly: a rollout's LLM calls → token-exact training sequences.
+
+Input: the rollout's ``CallRecord``s in start order (prompt ids, output ids, engine logprobs, agent name,
+status). Output: a ``Trajectory`` whose sequences carry ``token_ids``, ``loss_mask`` (1 exactly on sampled
+tokens), ``logprobs`` (the engine's on sampled tokens, None elsewhere), the weight versions that sampled
+them and the rollout's reward.
+
+Merge mode groups calls by agent name; within an agent a call extends whichever earlier branch its
+prompt starts with (see ``assembly_tree``); otherwise it starts a new sequence. Per-call mode makes one
+sequence per call choice. Calls that cannot be trained on-policy (retokenized, no engine logprobs, no
+ids, error status, agent not selected) are left out and listed in ``Trajectory.excluded``; options bring
+retokenized and error calls back (flagged). ``check_invariants`` verifies the result.
+
+Token ids may be lists or ``array.array``s (one kind per rollout): arrays compare as machine integers,
+so a store that hands them out skips building an int object per prompt token; sequences are lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from tracegym.gateway.assembly_invariants import check_invariants
+from tracegym.gateway.assembly_options import AssemblyOptions
+from tracegym.gateway.assembly_rewards import discount_distances, discounted, step_rewards_by_call
+from tracegym.gateway.assembly_tree import Chain, Node, chains, link, single_chains
+from tracegym.types import CallRecord, ChoiceRecord, Sequence, Trajectory
+
+__all__ = ["AssemblyOptions", "assemble", "assemble_rollout", "check_invariants", "exclusion_reason"]
+
+
+def exclusion_reason(call: CallRecord, choice: ChoiceRecord, options: AssemblyOptions) -> str | None:
+    """Why this call choice is not trained (None when it is)."""
+    if not options.trains_agent(call.agent_name):
+        return "agent"
+    if call.prompt_ids is None or choice.output_ids is None:
+        return "no_ids"
+    if call.status == "error" and not options.include_errors:
+        return "error"
+    if (call.retokenized or choice.output_logprobs is None) and not options.include_retokenized:
+        return "retokenized"
+    return None
+
+
+def _node(pos: int, call: CallRecord, prompt: list[int], choice: ChoiceRecord) -> Node:
+    out = choice.output_ids if choice.output_ids is not None else prompt[:0]
+    lps = choice.output_logprobs
+    retok = call.retokenized or lps is None
+    if lps is not None and len(lps) != len(out):
+        raise ValueError(
+            f"call {call.call_id} choice {choice.index}: {len(out)} output ids but {len(lps)} logprobs"
+        )
+    logprobs: list[float | None] = [None] * len(out) if retok else lps  # type: ignore[assignment]
+    return Node(pos, call, choice, prompt, out, logprobs, retok)
+
+
+def _collect(
+    calls: list[CallRecord], options: AssemblyOptions
+) -> tuple[dict[str | None, list[list[Node]]], list[dict[str, Any]]]:
+    """Trained nodes grouped by agent (and by call within an agent), and the excluded choices."""
+    groups: dict[str | None, list[list[Node]]] = {}
+    excluded: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for pos, call in enumerate(calls):
+        if call.call_id in seen:
+            raise ValueError(f"duplicate call_id {call.call_id!r} in rollout {call.rollout_id!r}")
+        seen.add(call.call_id)
+        siblings: list[Node] = []
+        for choice in call.choices:
+            reason = exclusion_reason(call, choice, options)
+            if reason is None:
+                siblings.append(_node(pos, call, call.prompt_ids, choice))  # type: ignore[arg-type]
+            else:
+                excluded.append({"call_id": call.call_id, "choice_index": choice.index, "reason": reason})
+        if siblings:
+            groups.setdefault(call.agent_name, []).append(siblings)
+    return groups, excluded
+
+
+def _versions(node: Node) -> list[str]:
+    if node.choice.weight_versions:
+        return [w.version for w in node.choice.weight_versions]
+    return [node.call.weight_version] if node.call.weight_version is not None else []
+
+
+def _sequence(chain: Chain) -> Sequence:
+    first = chain.nodes[0]
+    token_ids = first.prompt[:]  # a list, or an array('i'/'q') when the store hands out arrays
+    loss_mask = [0] * len(token_ids)
+    logprobs: list[float | None] = [None] * len(token_ids)
+    versions: list[str] = []
+    prev_end = len(token_ids)
+    for node in chain.nodes:
+        n_ctx = len(node.prompt) - prev_end
+        if n_ctx:
+            token_ids += node.prompt[prev_end:]
+            loss_mask += [0] * n_ctx
+            logprobs += [None] * n_ctx
+        token_ids += node.output
+        loss_mask += [1] * len(node.output)
+        logprobs += node.logprobs
+        prev_end = node.end
+        for v in _versions(node):
+            if v not in versions:
+                versions.append(v)
+    return Sequence(
+        token_ids=token_ids if isinstance(token_ids, list) else token_ids.tolist(),
+        loss_mask=loss_mask,
+        logprobs=logprobs,
+        agent_name=first.call.agent_name,
+        weight_versions=versions,
+        call_ids=[n.call.call_id for n in chain.nodes],
+        choice_indices=[n.choice.index for n in chain.nodes],
+        retokenized=any(n.retokenized for n in chain.nodes),
+    )
+
+
+def assemble(
+    calls: list[CallRecord],
+    *,
+    rollout_id: str,
+    task_id: str | None = None,
+    reward: float | None = None,
+    events: Iterable[dict[str, Any]] = (),
+    options: AssemblyOptions | None = None,
+    group_id: str | None = None,
+    status: str | None = None,
+) -> Trajectory:
+    """Assemble one rollout. ``calls`` in start order; ``events`` are its reward events
+    (``value``, ``name``, ``call_index`` or ``created_at``)."""
+    opts = options or AssemblyOptions()
+    groups, excluded = _collect(calls, opts)
+    all_chains: list[Chain] = []
+    for per_call in groups.values():
+        if opts.mode == "merge":
+            all_chains += chains(link(per_call))
+        else:
+            all_chains += single_chains([n for siblings in per_call for n in siblings])
+    all_chains.sort(key=lambda c: (c.nodes[0].pos, c.nodes[0].choice.index))
+    seqs = [_sequence(c) for c in all_chains]
+
+    ends = [c.nodes[-1].pos for c in all_chains]
+    for seq, dist in zip(seqs, discount_distances(ends), strict=True):
+        seq.reward = discounted(reward, opts.gamma, dist)
+    step = step_rewards_by_call(calls, events)
+    attached: set[int] = set()
+    for seq, chain in zip(seqs, all_chains, strict=True):
+        for node in chain.nodes:
+            if node.pos in step and node.pos not in attached:
+                seq.step_rewards += step[node.pos]
+                attached.add(node.pos)
+    return Trajectory(
+        rollout_id=rollout_id,
+        task_id=task_id,
+        reward=reward,
+        sequences=seqs,
+        group_id=group_id,
+        status=status,
+        excluded=excluded,
+    )
+
+
+def assemble_rollout(
+    rollout: dict[str, Any],
+    calls: list[CallRecord],
+    reward_events: Iterable[dict[str, Any]] = (),
+    options: AssemblyOptions | None = None,
+) -> Trajectory:
+    """Assemble from a Rollout row (``docs/api.md``: ``rollout_id``, ``task_id``, ``group_id``,
+    ``status``, ``reward``) as the store returns it."""
+    return assemble(
+        calls,
+        rollout_id=rollout["rollout_id"],
+        task_id=rollout.get("task_id"),
+        reward=rollout.get("reward"),
+        events=reward_events,
+        options=options,
+        group_id=rollout.get("group_id"),
+        status=rollout.get("status"),
+    )

@@ -1,0 +1,120 @@
+"""``check_invariants``: the promises of an assembled trajectory, verified against its calls.
+
+For every sequence: ``token_ids``, ``loss_mask`` and ``logprobs`` have one length; for each trained call
+choice listed on it, the sequence starts with that call's exact prompt ids and continues with the
+choice's exact output ids at the next position; mask is 1 exactly on those output positions (so no
+prompt, tool or user token is trained) and the sequence ends with its last output; logprobs are the
+engine's there and None elsewhere (a ``retokenized`` sequence may carry None on sampled tokens). Across
+the trajectory every call choice is trained exactly once or listed in ``excluded``, never both.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+from tracegym.types import CallRecord, ChoiceRecord, Sequence, Trajectory
+
+
+class InvariantError(AssertionError):
+    """An assembled trajectory breaks one of its promises; the message says where."""
+
+
+def _as_list(values: Any) -> list:
+    """Ids or logprobs as a list (records may carry ``array.array``s); None stays None."""
+    if values is None or isinstance(values, list):
+        return values
+    return values.tolist() if isinstance(values, array) else list(values)
+
+
+def _choices(calls: list[CallRecord]) -> dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]:
+    out: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]] = {}
+    for call in calls:
+        for choice in call.choices:
+            key = (call.call_id, choice.index)
+            if key in out:
+                raise InvariantError(f"call {call.call_id} choice {choice.index} appears twice in the calls")
+            out[key] = (call, choice)
+    return out
+
+
+def _check_sequence(
+    si: int, seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]
+) -> list[tuple[str, int]]:
+    n = len(seq.token_ids)
+    if len(seq.loss_mask) != n or len(seq.logprobs) != n:
+        raise InvariantError(
+            f"sequence {si}: {n} token_ids, {len(seq.loss_mask)} loss_mask, {len(seq.logprobs)} logprobs"
+        )
+    if not seq.call_ids or len(seq.call_ids) != len(seq.choice_indices):
+        raise InvariantError(
+            f"sequence {si}: call_ids {seq.call_ids!r} and choice_indices {seq.choice_indices!r} "
+            "must be non-empty and aligned"
+        )
+    expected = [0] * n
+    nones: list[None] = [None] * n
+    prev_end = 0
+    keys = list(zip(seq.call_ids, seq.choice_indices, strict=True))
+    for call_id, k in keys:
+        if (call_id, k) not in choices:
+            raise InvariantError(f"sequence {si}: unknown call choice {call_id} #{k}")
+        call, choice = choices[(call_id, k)]
+        prompt, out = _as_list(call.prompt_ids) or [], _as_list(choice.output_ids) or []
+        start, end = len(prompt), len(prompt) + len(out)
+        where = f"sequence {si}, call {call_id} choice {k}"
+        if start < prev_end:
+            raise InvariantError(
+                f"{where}: prompt ({start} ids) ends inside the previous output (at {prev_end})"
+            )
+        if end > n or seq.token_ids[:start] != prompt:
+            raise InvariantError(f"{where}: the sequence does not start with the call's {start} prompt ids")
+        if seq.token_ids[start:end] != out:
+            raise InvariantError(f"{where}: output ids not found at positions [{start}, {end})")
+        lps = seq.logprobs[start:end]
+        engine = _as_list(choice.output_logprobs)
+        if not seq.retokenized and lps != engine:
+            raise InvariantError(f"{where}: logprobs differ from the engine's on the sampled tokens")
+        if seq.retokenized and any(
+            lp is not None and (engine is None or lp != engine[i]) for i, lp in enumerate(lps)
+        ):
+            raise InvariantError(
+                f"{where}: a retokenized sequence carries logprobs the engine did not return"
+            )
+        if seq.logprobs[prev_end:start] != nones[: start - prev_end]:
+            i = next(j for j in range(prev_end, start) if seq.logprobs[j] is not None)
+            raise InvariantError(f"sequence {si}: position {i} has mask 0 but logprob {seq.logprobs[i]!r}")
+        expected[start:end] = [1] * len(out)
+        prev_end = end
+    if prev_end != n:
+        raise InvariantError(f"sequence {si}: {n - prev_end} trailing tokens after the last sampled output")
+    if seq.loss_mask != expected:
+        i = next(j for j in range(n) if seq.loss_mask[j] != expected[j])
+        what = "a sampled token" if expected[i] else "a prompt/tool token"
+        raise InvariantError(
+            f"sequence {si}: position {i} (id {seq.token_ids[i]}) is {what} but has mask {seq.loss_mask[i]!r}"
+        )
+    return keys
+
+
+def check_invariants(calls: list[CallRecord], trajectory: Trajectory) -> None:
+    """Raise ``InvariantError`` with a precise message if ``trajectory`` breaks a promise about ``calls``."""
+    choices = _choices(calls)
+    trained: dict[tuple[str, int], int] = {}
+    for si, seq in enumerate(trajectory.sequences):
+        for key in _check_sequence(si, seq, choices):
+            if key in trained:
+                raise InvariantError(
+                    f"call {key[0]} choice {key[1]} is trained twice (sequences {trained[key]} and {si})"
+                )
+            trained[key] = si
+    excluded: set[tuple[str, int]] = set()
+    for ex in trajectory.excluded:
+        key = (ex["call_id"], ex["choice_index"])
+        if key in trained:
+            raise InvariantError(
+                f"call {key[0]} choice {key[1]} is both trained and excluded ({ex['reason']})"
+            )
+        excluded.add(key)
+    missing = [k for k in choices if k not in trained and k not in excluded]
+    if missing:
+        raise InvariantError(f"call choices neither trained nor excluded: {missing[:5]!r}")

@@ -1,0 +1,255 @@
+"""One LLM call through the gateway: attribution, the upstream request, and the pieces both the
+non-stream and the stream paths share (decoding, logprobs, the OpenAI response, the ``CallRecord``)."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracegym.gateway.deps import Services
+from tracegym.gateway.upstream.base import GenChoice, GenerateRequest, GenerateResult, TopLogprob
+from tracegym.gateway.validation import ParsedRequest
+from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan
+
+
+@dataclass(slots=True)
+class CallContext:
+    call_id: str
+    rollout_id: str
+    task_id: str | None
+    agent_name: str | None
+    adhoc: bool
+    start_ns: int = field(default_factory=time.time_ns)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(slots=True)
+class Prompt:
+    """The prompt sent upstream, with its prefix-reuse bookkeeping."""
+
+    ids: list[int] | None
+    drift: str = "none"
+    prefix_len: int = 0
+
+
+def new_id() -> str:
+    """128 random bits as hex (uuid4's randomness without its per-call ``os.urandom`` syscall)."""
+    return f"{random.getrandbits(128):032x}"
+
+
+def new_context(operation: str, path_rollout: str | None, headers: Any) -> CallContext:
+    prefix = "chatcmpl-" if operation == "chat" else "cmpl-"
+    rollout = path_rollout or headers.get("x-rollout-id") or None
+    return CallContext(
+        call_id=prefix + new_id(),
+        rollout_id=rollout or f"adhoc-{new_id()}",
+        task_id=headers.get("x-task-id") or None,
+        agent_name=headers.get("x-agent-name") or None,
+        adhoc=rollout is None,
+    )
+
+
+def plan_prompt(svc: Services, parsed: ParsedRequest, ctx: CallContext) -> Prompt:
+    """The exact prompt ids (token-native upstreams), reusing the rollout's earlier ids for chat."""
+    if parsed.operation == "text_completion":
+        if isinstance(parsed.prompt, list):
+            return Prompt(ids=list(parsed.prompt))
+        return Prompt(ids=svc.tokenizer.encode(parsed.prompt) if svc.tokenizer else None)
+    if not svc.upstream.token_native:
+        return Prompt(ids=None)
+    assert svc.prefix is not None and svc.tokenizer is not None
+    if ctx.adhoc:  # a fresh rollout id minted for this call: no history to reuse, no store lookup
+        return Prompt(ids=svc.tokenizer.apply(parsed.messages, parsed.tools, **template_kwargs(parsed)))
+    plan = svc.prefix.plan_chat(ctx.rollout_id, parsed.messages, parsed.tools, **template_kwargs(parsed))
+    return Prompt(ids=plan.prompt_ids, drift=plan.drift, prefix_len=plan.prefix_len)
+
+
+def template_kwargs(parsed: ParsedRequest) -> dict[str, Any]:
+    kw = dict(parsed.body.get("chat_template_kwargs") or {})
+    if parsed.tool_choice is not None:
+        kw["tool_choice"] = parsed.tool_choice
+    return kw
+
+
+def generate_request(svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt) -> GenerateRequest:
+    sampling = parsed.sampling
+    if svc.upstream.token_native and svc.tokenizer is not None:
+        sampling.stop_token_ids = list(svc.tokenizer.eos_token_ids)
+    return GenerateRequest(
+        rid=ctx.call_id, operation=parsed.operation, sampling=sampling,
+        input_ids=prompt.ids if svc.upstream.token_native else None,
+        body=None if svc.upstream.token_native else parsed.body,
+        logprobs=parsed.logprobs, top_logprobs=parsed.top_logprobs,
+    )
+
+
+def trim_stop(text: str, stop_matched: str | None) -> str:
+    """SGLang keeps a matched stop string's tokens in output_ids; OpenAI clients never see the string."""
+    if stop_matched:
+        cut = text.find(stop_matched)
+        if cut >= 0:
+            return text[:cut]
+    return text
+
+
+def choice_text(svc: Services, ch: GenChoice) -> str:
+    if svc.upstream.token_native and svc.tokenizer is not None and ch.output_ids is not None:
+        text = svc.tokenizer.decode(ch.output_ids, skip_special_tokens=True)
+    else:
+        text = ch.text or ""
+    return trim_stop(text, ch.stop_matched)
+
+
+def assistant_message(svc: Services, parsed: ParsedRequest, ch: GenChoice, text: str) -> dict[str, Any]:
+    if ch.message is not None:  # message-based upstream: its own parse of tool calls
+        msg = {"role": "assistant", "content": ch.message.get("content")}
+        if ch.message.get("tool_calls"):
+            msg["tool_calls"] = ch.message["tool_calls"]
+        return msg
+    if parsed.parse_tools:
+        from tracegym.gateway.tools import parse_tool_calls
+
+        content, calls = parse_tool_calls(text)
+        if calls:
+            return {"role": "assistant", "content": content, "tool_calls": calls}
+    return {"role": "assistant", "content": text}
+
+
+def openai_finish_reason(ch: GenChoice, message: dict[str, Any] | None) -> str:
+    if message is not None and message.get("tool_calls"):
+        return "tool_calls"
+    return ch.finish_reason or "stop"
+
+
+def token_logprob(svc: Services, token_id: int, logprob: float, top: list[TopLogprob] | None) -> dict:
+    tok = svc.tokenizer.decode([token_id]) if svc.tokenizer is not None else str(token_id)
+    return {
+        "token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8")),
+        "top_logprobs": [token_top(svc, t) for t in top or []],
+    }
+
+
+def token_top(svc: Services, t: TopLogprob) -> dict:
+    tok = t.text if t.text is not None else (
+        svc.tokenizer.decode([t.token_id]) if svc.tokenizer is not None and t.token_id is not None else "")
+    return {"token": tok, "logprob": t.logprob, "bytes": list(tok.encode("utf-8"))}
+
+
+def chat_logprobs(svc: Services, ch: GenChoice) -> dict | None:
+    if ch.output_ids is None or ch.logprobs is None:
+        return None
+    tops = ch.top_logprobs or [None] * len(ch.output_ids)
+    return {"content": [token_logprob(svc, i, lp, t) for i, lp, t in zip(ch.output_ids, ch.logprobs, tops,
+                                                                         strict=False)]}
+
+
+def completion_logprobs(svc: Services, ch: GenChoice) -> dict | None:
+    if ch.output_ids is None or ch.logprobs is None:
+        return None
+    entries = chat_logprobs(svc, ch)["content"]  # type: ignore[index]
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def tracegym_field(ctx: CallContext, weight_version: str | None, prompt: Prompt) -> dict[str, Any]:
+    return {"rollout_id": ctx.rollout_id, "call_id": ctx.call_id, "weight_version": weight_version,
+            "drift": prompt.drift}
+
+
+def prompt_token_count(result_prompt_tokens: int, prompt: Prompt) -> int:
+    return result_prompt_tokens or (len(prompt.ids) if prompt.ids is not None else 0)
+
+
+def build_record(
+    svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt, choices: list[ChoiceRecord], *,
+    weight_version: str | None, prompt_tokens: int, retokenized: bool, first_token_ns: int | None = None,
+    error: str | None = None, upstream_prompt_ids: list[int] | None = None,
+) -> CallRecord:
+    ids = upstream_prompt_ids if upstream_prompt_ids is not None else prompt.ids
+    return CallRecord(
+        call_id=ctx.call_id, rollout_id=ctx.rollout_id, operation=parsed.operation, model=svc.served_model,
+        upstream_kind=svc.upstream.kind, request=parsed.body, choices=choices, prompt_ids=ids,
+        task_id=ctx.task_id, agent_name=ctx.agent_name, weight_version=weight_version, drift=prompt.drift,
+        prefix_len=prompt.prefix_len, retokenized=retokenized, input_tokens=prompt_tokens,
+        output_tokens=sum(len(c.output_ids or ()) for c in choices), start_time_ns=ctx.start_ns,
+        end_time_ns=time.time_ns(), first_token_time_ns=first_token_ns,
+        status="error" if error else "ok", error=error,
+    )
+
+
+def choice_record(ch: GenChoice, finish: str | None, message: dict | None, weight_version: str | None) -> ChoiceRecord:
+    n = len(ch.output_ids or ())
+    spans = [WeightVersionSpan(weight_version, 0, n)] if weight_version is not None and n else []
+    return ChoiceRecord(index=ch.index, output_ids=ch.output_ids, output_logprobs=ch.logprobs,
+                        finish_reason=finish, message=message, weight_versions=spans)
+
+
+def finish_call(svc: Services, ctx: CallContext, rec: CallRecord) -> None:
+    """Record the call and, for a successful token-exact chat call in a named rollout, remember it for
+    prefix reuse (an ad-hoc rollout id was minted for this one call: nothing will extend it)."""
+    if svc.recorder is not None:
+        svc.recorder.record(rec)
+    if (rec.status == "ok" and rec.operation == "chat" and svc.prefix is not None and not ctx.adhoc
+            and not rec.retokenized and rec.prompt_ids is not None):
+        svc.prefix.remember(rec.rollout_id, rec)
+
+
+def chat_response(
+    svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt, result: GenerateResult
+) -> tuple[dict[str, Any], CallRecord]:
+    out_choices, records = [], []
+    for ch in result.choices:
+        msg = assistant_message(svc, parsed, ch, choice_text(svc, ch))
+        finish = openai_finish_reason(ch, msg)
+        out_choices.append({"index": ch.index, "message": msg, "logprobs": chat_logprobs(svc, ch)
+                            if parsed.logprobs else None, "finish_reason": finish})
+        records.append(choice_record(ch, finish, msg, result.weight_version))
+    return _response(svc, parsed, ctx, prompt, result, out_choices, records, "chat.completion")
+
+
+def completion_response(
+    svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt, result: GenerateResult
+) -> tuple[dict[str, Any], CallRecord]:
+    out_choices, records = [], []
+    for ch in result.choices:
+        text = choice_text(svc, ch)
+        finish = ch.finish_reason or "stop"
+        out_choices.append({"index": ch.index, "text": text, "logprobs": completion_logprobs(svc, ch)
+                            if parsed.logprobs else None, "finish_reason": finish})
+        records.append(choice_record(ch, finish, {"text": text}, result.weight_version))
+    return _response(svc, parsed, ctx, prompt, result, out_choices, records, "text_completion")
+
+
+def _response(
+    svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt, result: GenerateResult,
+    out_choices: list[dict], records: list[ChoiceRecord], obj: str,
+) -> tuple[dict[str, Any], CallRecord]:
+    ptoks = prompt_token_count(result.prompt_tokens, prompt)
+    rec = build_record(svc, parsed, ctx, prompt, records, weight_version=result.weight_version,
+                       prompt_tokens=ptoks, retokenized=result.retokenized,
+                       upstream_prompt_ids=result.prompt_ids)
+    rec.output_tokens = rec.output_tokens or result.completion_tokens
+    body = {
+        "id": ctx.call_id, "object": obj, "created": ctx.created, "model": svc.served_model,
+        "choices": out_choices, "usage": usage(ptoks, rec.output_tokens or result.completion_tokens),
+        "system_fingerprint": None, "tracegym": tracegym_field(ctx, result.weight_version, prompt),
+    }
+    if parsed.return_token_ids:  # vLLM's extension, so a gateway can sit behind another token-exactly
+        body["prompt_token_ids"] = rec.prompt_ids
+        for c, r in zip(out_choices, records, strict=True):
+            c["token_ids"] = r.output_ids
+    return body, rec

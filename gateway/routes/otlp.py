@@ -1,0 +1,165 @@
+"""OTLP/HTTP trace ingest: ``POST /v1/traces`` with ``application/x-protobuf`` or ``application/json``
+(optionally gzip/deflate ``Content-Encoding``), as sent by ``opentelemetry-exporter-otlp-proto-http``.
+
+Spans land in the same store as the gateway's own, linked to a rollout by the ``tracegym.rollout_id``
+attribute of the span, else of its resource, else the request's ``X-Rollout-Id`` header. Spans with none
+are stored unlinked. Re-sent spans (same trace and span id) are stored once.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import zlib
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from tracegym.gateway.errors import OpenAIError, bad_request
+from tracegym.gateway.spans import ROLLOUT_ID, attributes_to_row_fields, json_safe
+
+router = APIRouter(tags=["otlp"])
+
+_KINDS = {0: "unspecified", 1: "internal", 2: "server", 3: "client", 4: "producer", 5: "consumer"}
+_STATUS = {0: "unset", 1: "ok", 2: "error"}
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def any_value(v: AnyValue) -> Any:
+    """A Python value from an OTLP AnyValue (bytes stay bytes)."""
+    which = v.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [any_value(x) for x in v.array_value.values]
+    if which == "kvlist_value":
+        return key_values(v.kvlist_value.values)
+    return getattr(v, which)
+
+
+def key_values(kvs: Any) -> dict[str, Any]:
+    return {kv.key: any_value(kv.value) for kv in kvs}
+
+
+def _hex_ids_to_base64(obj: Any) -> None:
+    """OTLP/JSON encodes trace/span ids as hex, not base64 as proto3 JSON does: convert in place."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key in _ID_FIELDS and isinstance(value, str):
+                try:
+                    obj[key] = base64.b64encode(bytes.fromhex(value)).decode()
+                except ValueError:
+                    raise ValueError(f"{key} must be hex, got {value!r}") from None
+            else:
+                _hex_ids_to_base64(value)
+    elif isinstance(obj, list):
+        for value in obj:
+            _hex_ids_to_base64(value)
+
+
+def parse_request(body: bytes, content_type: str) -> ExportTraceServiceRequest:
+    """Decode an export request; ValueError with a clear message on bad input."""
+    req = ExportTraceServiceRequest()
+    if content_type == "application/x-protobuf":
+        try:
+            req.ParseFromString(body)
+        except DecodeError as e:
+            raise ValueError(f"body is not a valid OTLP protobuf ExportTraceServiceRequest: {e}") from e
+        return req
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"body is not valid JSON: {e}") from e
+    _hex_ids_to_base64(data)
+    try:
+        json_format.ParseDict(data, req, ignore_unknown_fields=True)
+    except json_format.ParseError as e:
+        raise ValueError(f"body is not an OTLP/JSON ExportTraceServiceRequest: {e}") from e
+    return req
+
+
+def _span_row(span: Span, resource: dict[str, Any], scope: str | None, header_rollout: str | None) -> dict:
+    attrs = key_values(span.attributes)
+    rollout = attrs.get(ROLLOUT_ID) or resource.get(ROLLOUT_ID) or header_rollout
+    if rollout is not None:
+        attrs[ROLLOUT_ID] = str(rollout)
+    if scope:
+        attrs.setdefault("otel.scope.name", scope)
+    events = [{"name": e.name, "time_ns": e.time_unix_nano, "attributes": key_values(e.attributes)}
+              for e in span.events]
+    fields = attributes_to_row_fields(attrs)
+    if len(span.trace_id) != 16 or len(span.span_id) != 8:
+        raise ValueError(f"span {span.name!r} has a bad trace_id/span_id length")
+    return {
+        "trace_id": span.trace_id.hex(),
+        "span_id": span.span_id.hex(),
+        "parent_span_id": span.parent_span_id.hex() or None,
+        "source": "otlp",
+        "name": span.name,
+        "kind": _KINDS.get(span.kind, "unspecified"),
+        "start_time_ns": span.start_time_unix_nano,
+        "end_time_ns": span.end_time_unix_nano,
+        "status": _STATUS.get(span.status.code, "unset"),
+        "status_message": span.status.message or None,
+        "resource": json_safe(resource),
+        "events": json_safe(events) or None,
+        **fields,
+    }
+
+
+def request_rows(req: ExportTraceServiceRequest, header_rollout: str | None) -> list[dict]:
+    rows = []
+    for rs in req.resource_spans:
+        resource = key_values(rs.resource.attributes)
+        for ss in rs.scope_spans:
+            for span in ss.spans:
+                rows.append(_span_row(span, resource, ss.scope.name or None, header_rollout))
+    return rows
+
+
+def _decompress(body: bytes, encoding: str) -> bytes:
+    try:
+        if encoding == "gzip":
+            return gzip.decompress(body)
+        if encoding == "deflate":
+            return zlib.decompress(body)
+    except (OSError, zlib.error, EOFError) as e:
+        raise bad_request(f"body is not valid {encoding} data: {e}") from e
+    if encoding in ("", "identity"):
+        return body
+    raise OpenAIError(415, f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
+
+
+@router.post("/v1/traces")
+async def ingest_traces(request: Request) -> Response:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type not in ("application/x-protobuf", "application/json"):
+        raise OpenAIError(415, f"unsupported Content-Type {content_type!r}; OTLP/HTTP uses "
+                          "application/x-protobuf or application/json")
+    body = _decompress(await request.body(), request.headers.get("content-encoding", "").strip().lower())
+    try:
+        rows = request_rows(parse_request(body, content_type), request.headers.get("x-rollout-id"))
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+    store = getattr(request.app.state, "store", None)
+    if store is None:
+        raise OpenAIError(503, "this gateway runs without a trace store", code="no_store")
+    try:
+        await run_in_threadpool(store.insert_spans, rows)
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+    resp = ExportTraceServiceResponse()
+    if content_type == "application/json":
+        return Response(json_format.MessageToJson(resp), media_type="application/json")
+    return Response(resp.SerializeToString(), media_type="application/x-protobuf")

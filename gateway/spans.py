@@ -1,0 +1,296 @@
+"""CallRecord <-> span attributes <-> store row.
+
+A gateway call is one span named ``chat {model}`` / ``text_completion {model}`` carrying the OpenTelemetry
+GenAI semantic-convention attributes plus tracegym's own. Token arrays travel as compact bytes attributes
+(``tracegym.store.codec``: tag byte + little-endian values), which OTLP carries as ``bytes_value``; OTLP
+spans from elsewhere may instead carry plain int/float arrays under the same keys, and both land in the
+store's binary columns. ``tracegym.request`` (the request body, messages included) and ``tracegym.choices``
+(per-choice message, finish reason, weight versions and array lengths) are JSON strings on the span and
+structured JSON in the store.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import orjson
+
+from tracegym.gateway.store.codec import decode, encode_floats, encode_ints
+from tracegym.gateway.store.span_rows import JSON_NULL, json_text
+from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan
+
+PROMPT_IDS = "tracegym.prompt_token_ids"
+OUTPUT_IDS = "tracegym.output_token_ids"
+OUTPUT_LOGPROBS = "tracegym.output_logprobs"
+REQUEST = "tracegym.request"
+CHOICES = "tracegym.choices"
+ROLLOUT_ID = "tracegym.rollout_id"
+CALL_ID = "tracegym.call_id"
+_JSON_ATTRS = (REQUEST, CHOICES)
+_TAGS = (b"i", b"q", b"f", b"d")
+_SAMPLING = (
+    ("temperature", "gen_ai.request.temperature"),
+    ("top_p", "gen_ai.request.top_p"),
+    ("seed", "gen_ai.request.seed"),
+)
+_NUMBER = (int, float)
+
+
+def span_name(rec: CallRecord) -> str:
+    return f"{rec.operation} {rec.model}"
+
+
+def _concat(parts: list[list | None]) -> tuple[list, list[int | None]]:
+    flat: list = []
+    lens: list[int | None] = []
+    for p in parts:
+        lens.append(None if p is None else len(p))
+        if p is not None:
+            flat.extend(p)
+    return flat, lens
+
+
+def _choices_meta(rec: CallRecord, id_lens: list, lp_lens: list) -> list[dict[str, Any]]:
+    return [
+        {
+            "index": c.index,
+            "finish_reason": c.finish_reason,
+            "message": c.message,
+            "weight_versions": [[w.version, w.start, w.end] for w in c.weight_versions],
+            "n_output_ids": id_lens[i],
+            "n_output_logprobs": lp_lens[i],
+        }
+        for i, c in enumerate(rec.choices)
+    ]
+
+
+def _outputs(choices: list[ChoiceRecord]) -> tuple[list, list, list, list, tuple[str, ...]]:
+    """Concatenated output ids and logprobs of the choices, their per-choice lengths, finish reasons."""
+    if len(choices) == 1:  # the common n=1 call: no copies
+        c = choices[0]
+        ids, lps = c.output_ids, c.output_logprobs
+        return (ids or [], lps or [], [None if ids is None else len(ids)],
+                [None if lps is None else len(lps)], (c.finish_reason or "",))
+    ids, id_lens = _concat([c.output_ids for c in choices])
+    lps, lp_lens = _concat([c.output_logprobs for c in choices])
+    return ids, lps, id_lens, lp_lens, tuple([c.finish_reason or "" for c in choices])
+
+
+def stored_attributes(rec: CallRecord) -> tuple[dict[str, Any], list, list]:
+    """The call's attributes as the store keeps them (``tracegym.request`` / ``tracegym.choices`` as
+    structured JSON, no token arrays), and the concatenated output ids and logprobs of its choices.
+    On the span export hot path: plain statements, no per-key loops."""
+    ids, lps, id_lens, lp_lens, finish = _outputs(rec.choices)
+    req = rec.request
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": rec.operation,
+        "gen_ai.system": rec.upstream_kind,
+        "gen_ai.request.model": rec.model,
+        "gen_ai.response.model": rec.model,
+        "gen_ai.response.id": rec.call_id,
+        "gen_ai.response.finish_reasons": finish,
+        "gen_ai.usage.input_tokens": rec.input_tokens,
+        "gen_ai.usage.output_tokens": rec.output_tokens,
+        CALL_ID: rec.call_id,
+        ROLLOUT_ID: rec.rollout_id,
+        "tracegym.upstream_kind": rec.upstream_kind,
+        "tracegym.drift": rec.drift,
+        "tracegym.prefix_len": rec.prefix_len,
+        "tracegym.retokenized": rec.retokenized,
+        REQUEST: req,
+        CHOICES: _choices_meta(rec, id_lens, lp_lens),
+    }
+    get = req.get
+    for key, attr in _SAMPLING:
+        value = get(key)
+        if value is not None and isinstance(value, _NUMBER):
+            attrs[attr] = value
+    max_tokens = get("max_tokens")
+    if max_tokens is None:
+        max_tokens = get("max_completion_tokens")
+    if isinstance(max_tokens, int):
+        attrs["gen_ai.request.max_tokens"] = max_tokens
+    if rec.task_id is not None:
+        attrs["tracegym.task_id"] = rec.task_id
+    if rec.agent_name is not None:
+        attrs["tracegym.agent_name"] = rec.agent_name
+    if rec.weight_version is not None:
+        attrs["tracegym.weight_version"] = rec.weight_version
+    if rec.first_token_time_ns is not None:
+        attrs["tracegym.first_token_time_ns"] = rec.first_token_time_ns
+    if rec.error is not None:
+        attrs["tracegym.error"] = rec.error
+    if rec.first_token_time_ns is not None and rec.start_time_ns:
+        attrs["tracegym.time_to_first_token_s"] = (rec.first_token_time_ns - rec.start_time_ns) / 1e9
+    return attrs, ids, lps
+
+
+def call_record_attributes(rec: CallRecord) -> dict[str, Any]:
+    """The span attributes of a call (all values valid OpenTelemetry attribute types): the stored
+    attributes with the request/choices JSON as strings and the token arrays as compact bytes."""
+    attrs, ids, lps = stored_attributes(rec)
+    attrs[REQUEST] = orjson.dumps(attrs[REQUEST], option=orjson.OPT_NON_STR_KEYS).decode()
+    attrs[CHOICES] = orjson.dumps(attrs[CHOICES]).decode()
+    attrs[OUTPUT_IDS] = encode_ints(ids)
+    attrs[OUTPUT_LOGPROBS] = encode_floats(lps)
+    if rec.prompt_ids is not None:
+        attrs[PROMPT_IDS] = encode_ints(rec.prompt_ids)
+    return attrs
+
+
+def call_record_store_row(rec: CallRecord, *, trace_id: str, span_id: str, resource_json: str,
+                          start_time_ns: int, end_time_ns: int) -> tuple:
+    """The ``spans`` value tuple (``store.span_rows.COLUMNS`` order) of a call, straight from the record:
+    what ``encode_row(call_record_to_row(rec, ...))`` gives, without the attribute round trip."""
+    attrs, ids, lps = stored_attributes(rec)
+    error = rec.status == "error"
+    return (
+        trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", f"{rec.operation} {rec.model}",
+        "client", start_time_ns, end_time_ns, "error" if error else "ok", rec.error if error else None,
+        json_text(attrs), resource_json, JSON_NULL,
+        None if rec.prompt_ids is None else encode_ints(rec.prompt_ids), encode_ints(ids), encode_floats(lps),
+    )
+
+
+def _blob(value: Any, floats: bool) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray | memoryview):
+        value = bytes(value)
+        if value[:1] not in _TAGS:
+            raise ValueError(f"token array bytes must start with a tag byte i, q, f or d, got {value[:1]!r}")
+        return value
+    if isinstance(value, list | tuple):
+        return encode_floats(value) if floats else encode_ints(value)
+    raise ValueError(f"token array attribute must be bytes or a list, got {type(value).__name__}")
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with bytes turned into base64 text and tuples into lists (storable as JSON)."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode()
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return value
+
+
+def attributes_to_row_fields(attrs: dict[str, Any]) -> dict[str, Any]:
+    """Split span attributes into the store's columns: token arrays -> blobs, JSON strings -> structured
+    JSON, any other bytes -> base64 text. Returns ``attributes``, ``prompt_ids``, ``output_ids``,
+    ``output_logprobs``, ``rollout_id`` and ``call_id``."""
+    rest = dict(attrs)
+    fields = {
+        "prompt_ids": _blob(rest.pop(PROMPT_IDS, None), floats=False),
+        "output_ids": _blob(rest.pop(OUTPUT_IDS, None), floats=False),
+        "output_logprobs": _blob(rest.pop(OUTPUT_LOGPROBS, None), floats=True),
+    }
+    for key in _JSON_ATTRS:
+        if isinstance(rest.get(key), str):
+            rest[key] = orjson.loads(rest[key])
+    for key, value in rest.items():
+        if isinstance(value, bytes | bytearray | memoryview | list | tuple | dict):
+            rest[key] = json_safe(value)
+    fields["attributes"] = rest
+    fields["rollout_id"] = rest.get(ROLLOUT_ID)
+    fields["call_id"] = rest.get(CALL_ID)
+    return fields
+
+
+def call_record_to_row(rec: CallRecord, *, trace_id: str, span_id: str, resource: dict | None = None) -> dict:
+    """A store row for a call without going through OpenTelemetry (tools, tests, imports)."""
+    return {
+        "trace_id": trace_id,
+        "span_id": span_id,
+        "parent_span_id": None,
+        "source": "gateway",
+        "name": span_name(rec),
+        "kind": "client",
+        "start_time_ns": rec.start_time_ns,
+        "end_time_ns": rec.end_time_ns,
+        "status": "error" if rec.status == "error" else "ok",
+        "status_message": rec.error,
+        "resource": resource,
+        "events": None,
+        **attributes_to_row_fields(call_record_attributes(rec)),
+    }
+
+
+def _split(flat: list | None, lens: list[int | None]) -> list[list | None]:
+    out: list[list | None] = []
+    pos = 0
+    for n in lens:
+        if n is None:
+            out.append(None)
+            continue
+        if flat is None or pos + n > len(flat):
+            raise ValueError("stored token array is shorter than the choices' lengths")
+        out.append(flat[pos : pos + n])
+        pos += n
+    return out
+
+
+def decoded_choices(row: dict) -> list[dict] | None:
+    """Per-choice dicts with decoded output ids and logprobs, or None for a non-LLM span."""
+    meta = row["attributes"].get(CHOICES)
+    if not isinstance(meta, list):
+        return None
+    ids = _split(decode(row["output_ids"]), [c.get("n_output_ids") for c in meta])
+    lps = _split(decode(row["output_logprobs"]), [c.get("n_output_logprobs") for c in meta])
+    return [
+        {
+            "index": c["index"],
+            "output_ids": ids[i],
+            "output_logprobs": lps[i],
+            "finish_reason": c.get("finish_reason"),
+            "message": c.get("message"),
+            "weight_versions": c.get("weight_versions") or [],
+        }
+        for i, c in enumerate(meta)
+    ]
+
+
+def is_call_row(row: dict) -> bool:
+    a = row["attributes"]
+    return isinstance(a.get(CHOICES), list) and isinstance(a.get(REQUEST), dict) and CALL_ID in a
+
+
+def row_to_call_record(row: dict) -> CallRecord:
+    """Rebuild the CallRecord of a gateway span row (``is_call_row``)."""
+    a = row["attributes"]
+    choices = [
+        ChoiceRecord(
+            index=c["index"],
+            output_ids=c["output_ids"],
+            output_logprobs=c["output_logprobs"],
+            finish_reason=c["finish_reason"],
+            message=c["message"],
+            weight_versions=[WeightVersionSpan(v, s, e) for v, s, e in c["weight_versions"]],
+        )
+        for c in decoded_choices(row) or []
+    ]
+    return CallRecord(
+        call_id=a[CALL_ID],
+        rollout_id=a.get(ROLLOUT_ID) or row.get("rollout_id"),
+        operation=a["gen_ai.operation.name"],
+        model=a["gen_ai.request.model"],
+        upstream_kind=a.get("tracegym.upstream_kind", a.get("gen_ai.system", "")),
+        request=a[REQUEST],
+        choices=choices,
+        prompt_ids=decode(row["prompt_ids"]),
+        task_id=a.get("tracegym.task_id"),
+        agent_name=a.get("tracegym.agent_name"),
+        weight_version=a.get("tracegym.weight_version"),
+        drift=a.get("tracegym.drift", "none"),
+        prefix_len=a.get("tracegym.prefix_len", 0),
+        retokenized=a.get("tracegym.retokenized", False),
+        input_tokens=a.get("gen_ai.usage.input_tokens", 0),
+        output_tokens=a.get("gen_ai.usage.output_tokens", 0),
+        start_time_ns=row["start_time_ns"],
+        end_time_ns=row["end_time_ns"],
+        first_token_time_ns=a.get("tracegym.first_token_time_ns"),
+        status="error" if row["status"] == "error" else "ok",
+        error=a.get("tracegym.error", row.get("status_message") if row["status"] == "error" else None),
+    )

@@ -1,0 +1,213 @@
+"""The task queue: enqueue tasks as groups of rollouts, claim with a lease, heartbeat, complete, fail,
+release, and requeue expired leases.
+
+Claims are one ``WITH picked AS MATERIALIZED (SELECT ... LIMIT n [FOR UPDATE SKIP LOCKED]) UPDATE ... FROM
+picked ... RETURNING``:
+on PostgreSQL concurrent claimers skip each other's locked rows; on SQLite the write transaction starts
+with ``BEGIN IMMEDIATE`` so claims are serialised. ``attempt`` is 1-based: a rollout runs at most
+``max_attempts`` times.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import sqlalchemy as sa
+
+from tracegym.gateway.store.db import Database, now
+from tracegym.gateway.store.errors import Conflict, NotFound
+from tracegym.gateway.store.rollouts import rollout_dict
+from tracegym.gateway.store.schema import rollouts as R
+from tracegym.gateway.store.schema import tasks as T
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def _locked(db: Database, conn: sa.Connection, rollout_id: str) -> Any:
+    q = sa.select(R).where(R.c.rollout_id == rollout_id)
+    if db.dialect == "postgresql":
+        q = q.with_for_update()
+    return conn.execute(q).first()
+
+
+def _held_by_other(row: Any, worker_id: str | None) -> bool:
+    m = row._mapping
+    return worker_id is not None and m["worker_id"] is not None and m["worker_id"] != worker_id
+
+
+def _update(conn: sa.Connection, rollout_id: str, **values: Any) -> dict:
+    row = conn.execute(sa.update(R).where(R.c.rollout_id == rollout_id).values(**values).returning(R)).one()
+    return rollout_dict(row)
+
+
+class QueueMixin:
+    db: Database
+
+    def enqueue_tasks(
+        self, tasks: list[dict[str, Any]], *, group_size: int = 1, max_attempts: int = 3
+    ) -> list[dict]:
+        """Upsert tasks (``{"task_id"?, "input", "split"?, "metadata"?}``) and queue ``group_size`` rollouts
+        per task sharing one new group id. Returns ``[{"task_id", "group_id", "rollout_ids"}]``."""
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+        if not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"max_attempts must be an integer >= 1, got {max_attempts!r}")
+        t = now()
+        task_rows, rollout_rows, out = [], [], []
+        for i, task in enumerate(tasks):
+            if not isinstance(task, dict) or "input" not in task:
+                raise ValueError(f"tasks[{i}] must be an object with an 'input' field")
+            task_id = task.get("task_id") or _new_id("task")
+            task_rows.append({"task_id": str(task_id), "input": task["input"], "split": task.get("split"),
+                              "metadata": task.get("metadata"), "created_at": t})
+            group_id = _new_id("grp")
+            rids = [_new_id("ro") for _ in range(group_size)]
+            rollout_rows += [
+                {"rollout_id": rid, "task_id": str(task_id), "group_id": group_id, "status": "queued",
+                 "attempt": 1, "max_attempts": max_attempts, "input": task["input"], "reward_final": False,
+                 "created_at": t}
+                for rid in rids
+            ]
+            out.append({"task_id": str(task_id), "group_id": group_id, "rollout_ids": rids})
+        if not task_rows:
+            return []
+        ins = self.db.insert(T)
+        upsert = ins.on_conflict_do_update(
+            index_elements=["task_id"],
+            set_={"input": ins.excluded.input, "split": ins.excluded.split, "metadata": ins.excluded.metadata},
+        )
+        with self.db.write() as conn:
+            conn.execute(upsert, task_rows)
+            conn.execute(sa.insert(R), rollout_rows)
+        return out
+
+    def requeue_expired(self, now_s: float | None = None) -> int:
+        """Requeue (attempt+1) running rollouts whose lease expired, or mark them failed once they used
+        ``max_attempts``; returns how many changed."""
+        t = now() if now_s is None else now_s
+        expired = sa.and_(R.c.status == "running", R.c.lease_expires_at < t)
+        sub = sa.select(R.c.rollout_id).where(expired)
+        if self.db.dialect == "postgresql":
+            sub = sub.with_for_update(skip_locked=True)
+        ids = sub.scalar_subquery()
+        with self.db.write() as conn:
+            failed = conn.execute(
+                sa.update(R).where(R.c.rollout_id.in_(ids), expired, R.c.attempt >= R.c.max_attempts)
+                .values(status="failed", finished_at=t, lease_expires_at=None,
+                        error="lease expired on the last attempt")
+            ).rowcount
+            requeued = conn.execute(
+                sa.update(R).where(R.c.rollout_id.in_(ids), expired, R.c.attempt < R.c.max_attempts)
+                .values(status="queued", attempt=R.c.attempt + 1, lease_expires_at=None, error="lease expired")
+            ).rowcount
+        return failed + requeued
+
+    def claim(self, worker_id: str, *, limit: int = 1, lease_seconds: float = 60.0) -> list[dict]:
+        """Requeue expired leases, then atomically claim up to ``limit`` queued rollouts (oldest first):
+        they become ``running`` under ``worker_id``. Two claimers never get the same rollout."""
+        if not worker_id:
+            raise ValueError("worker_id must be a non-empty string")
+        if not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise ValueError(f"limit must be an integer between 1 and 1000, got {limit!r}")
+        _check_positive("lease_seconds", lease_seconds)
+        self.requeue_expired()
+        t = now()
+        sub = (sa.select(R.c.rollout_id).where(R.c.status == "queued")
+               .order_by(R.c.created_at, R.c.rollout_id).limit(limit))
+        if self.db.dialect == "postgresql":
+            sub = sub.with_for_update(skip_locked=True)
+        # A materialised CTE, not ``IN (subquery)``: PostgreSQL may re-run an IN subquery and then
+        # update more than ``limit`` rows.
+        picked = sub.cte("picked").prefix_with("MATERIALIZED", dialect="postgresql")
+        stmt = (
+            sa.update(R)
+            .where(R.c.rollout_id == picked.c.rollout_id, R.c.status == "queued")
+            .values(status="running", worker_id=worker_id, lease_seconds=lease_seconds,
+                    lease_expires_at=t + lease_seconds, started_at=t)
+            .returning(R)
+        )
+        with self.db.write() as conn:
+            rows = conn.execute(stmt).all()
+        claimed = [rollout_dict(r) for r in rows]
+        claimed.sort(key=lambda r: (r["created_at"], r["rollout_id"]))
+        return claimed
+
+    def heartbeat(self, rollout_id: str, worker_id: str, *, lease_seconds: float | None = None) -> float:
+        """Extend the lease; returns the new ``lease_expires_at`` (epoch s). Conflict if the lease was lost."""
+        if lease_seconds is not None:
+            _check_positive("lease_seconds", lease_seconds)
+        t = now()
+        new_lease = sa.func.coalesce(sa.literal(lease_seconds, sa.Double), R.c.lease_seconds, 60.0)
+        stmt = (
+            sa.update(R)
+            .where(R.c.rollout_id == rollout_id, R.c.status == "running", R.c.worker_id == worker_id)
+            .values(lease_expires_at=t + new_lease, lease_seconds=new_lease)
+            .returning(R.c.lease_expires_at)
+        )
+        with self.db.write() as conn:
+            expires = conn.execute(stmt).scalar()
+            if expires is not None:
+                return float(expires)
+            row = conn.execute(sa.select(R.c.status, R.c.worker_id).where(R.c.rollout_id == rollout_id)).first()
+        if row is None:
+            raise NotFound(f"unknown rollout {rollout_id!r}")
+        raise Conflict(f"lease lost: rollout {rollout_id} is {row.status} (worker {row.worker_id!r})")
+
+    def complete(self, rollout_id: str, *, worker_id: str | None = None, reward: float | None = None) -> dict:
+        """Mark completed (creating an unknown rollout, for ad-hoc SDK use). Conflict if another worker now
+        holds it or it already failed. Idempotent on a completed rollout."""
+        t = now()
+        with self.db.write() as conn:
+            row = _locked(self.db, conn, rollout_id)
+            if row is None:
+                conn.execute(sa.insert(R).values(
+                    rollout_id=rollout_id, status="adhoc", attempt=1, max_attempts=1, reward_final=False,
+                    created_at=t, worker_id=worker_id))
+            elif row.status == "completed":
+                return rollout_dict(row)
+            elif row.status == "failed":
+                raise Conflict(f"rollout {rollout_id} already failed: {row.error}")
+            elif _held_by_other(row, worker_id):
+                raise Conflict(f"rollout {rollout_id} is held by worker {row.worker_id!r}, not {worker_id!r}")
+            values: dict[str, Any] = {"status": "completed", "finished_at": t, "lease_expires_at": None}
+            if reward is not None:
+                values |= {"reward": float(reward), "reward_final": True}
+            return _update(conn, rollout_id, **values)
+
+    def fail(
+        self, rollout_id: str, *, error: str, worker_id: str | None = None, traceback: str | None = None
+    ) -> dict:
+        """Requeue (attempt+1) while attempt < max_attempts, else mark failed. Returns the Rollout."""
+        with self.db.write() as conn:
+            row = _locked(self.db, conn, rollout_id)
+            if row is None:
+                raise NotFound(f"unknown rollout {rollout_id!r}")
+            if row.status in ("completed", "failed"):
+                raise Conflict(f"rollout {rollout_id} is already {row.status}")
+            if _held_by_other(row, worker_id):
+                raise Conflict(f"rollout {rollout_id} is held by worker {row.worker_id!r}, not {worker_id!r}")
+            values: dict[str, Any] = {"error": error, "traceback": traceback, "lease_expires_at": None}
+            if row.status != "adhoc" and row.attempt < row.max_attempts:
+                values |= {"status": "queued", "attempt": row.attempt + 1}
+            else:
+                values |= {"status": "failed", "finished_at": now()}
+            return _update(conn, rollout_id, **values)
+
+    def release(self, rollout_id: str, *, worker_id: str) -> dict:
+        """Give a running rollout back to the queue without using an attempt."""
+        with self.db.write() as conn:
+            row = _locked(self.db, conn, rollout_id)
+            if row is None:
+                raise NotFound(f"unknown rollout {rollout_id!r}")
+            if row.status != "running" or row.worker_id != worker_id:
+                raise Conflict(f"rollout {rollout_id} is {row.status} (worker {row.worker_id!r}); "
+                               f"{worker_id!r} cannot release it")
+            return _update(conn, rollout_id, status="queued", lease_expires_at=None)

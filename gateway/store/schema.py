@@ -1,0 +1,117 @@
+"""Tables of the trace store (SQLAlchemy Core). Times are UNIX seconds (double precision) except span
+times, which are OpenTelemetry nanoseconds; token arrays are compact little-endian bytes (see codec.py).
+
+The alembic migration ``0001_initial`` creates exactly these tables; change both together.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+# SQLite only auto-increments an INTEGER PRIMARY KEY; PostgreSQL gets a BIGINT identity.
+BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+tasks = sa.Table(
+    "tasks",
+    metadata,
+    sa.Column("task_id", sa.String(200), primary_key=True),
+    sa.Column("input", sa.JSON, nullable=True),
+    sa.Column("split", sa.String(100), nullable=True),
+    sa.Column("metadata", sa.JSON, nullable=True),
+    sa.Column("created_at", sa.Double, nullable=False),
+)
+
+rollouts = sa.Table(
+    "rollouts",
+    metadata,
+    sa.Column("rollout_id", sa.String(200), primary_key=True),
+    sa.Column("task_id", sa.String(200), nullable=True),
+    sa.Column("group_id", sa.String(200), nullable=True),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("attempt", sa.Integer, nullable=False, default=1),
+    sa.Column("max_attempts", sa.Integer, nullable=False, default=1),
+    sa.Column("input", sa.JSON, nullable=True),
+    sa.Column("reward", sa.Double, nullable=True),
+    sa.Column("reward_final", sa.Boolean, nullable=False, default=False),
+    sa.Column("worker_id", sa.String(200), nullable=True),
+    sa.Column("lease_seconds", sa.Double, nullable=True),
+    sa.Column("lease_expires_at", sa.Double, nullable=True),
+    sa.Column("weight_version", sa.String(200), nullable=True),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("traceback", sa.Text, nullable=True),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("started_at", sa.Double, nullable=True),
+    sa.Column("finished_at", sa.Double, nullable=True),
+    sa.Index("ix_rollouts_status_created", "status", "created_at"),
+    sa.Index("ix_rollouts_created", "created_at", "rollout_id"),
+    sa.Index("ix_rollouts_task", "task_id"),
+    sa.Index("ix_rollouts_group", "group_id"),
+    sa.Index("ix_rollouts_lease", "status", "lease_expires_at"),
+)
+
+spans = sa.Table(
+    "spans",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("trace_id", sa.String(32), nullable=False),
+    sa.Column("span_id", sa.String(16), nullable=False),
+    sa.Column("parent_span_id", sa.String(16), nullable=True),
+    sa.Column("rollout_id", sa.String(200), nullable=True),
+    sa.Column("call_id", sa.String(200), nullable=True),
+    sa.Column("source", sa.String(20), nullable=False),
+    sa.Column("name", sa.String(500), nullable=False),
+    sa.Column("kind", sa.String(20), nullable=False),
+    sa.Column("start_time_ns", sa.BigInteger, nullable=False),
+    sa.Column("end_time_ns", sa.BigInteger, nullable=False),
+    sa.Column("status", sa.String(10), nullable=False),
+    sa.Column("status_message", sa.Text, nullable=True),
+    sa.Column("attributes", sa.JSON, nullable=False),
+    sa.Column("resource", sa.JSON, nullable=True),
+    sa.Column("events", sa.JSON, nullable=True),
+    sa.Column("prompt_ids", sa.LargeBinary, nullable=True),
+    sa.Column("output_ids", sa.LargeBinary, nullable=True),
+    sa.Column("output_logprobs", sa.LargeBinary, nullable=True),
+    sa.UniqueConstraint("trace_id", "span_id", name="uq_spans_trace_span"),
+    sa.Index("ix_spans_rollout_start", "rollout_id", "start_time_ns"),
+    sa.Index("ix_spans_call", "call_id"),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("event_id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("rollout_id", sa.String(200), nullable=False),
+    sa.Column("kind", sa.String(10), nullable=False),
+    sa.Column("name", sa.String(200), nullable=True),
+    sa.Column("value", sa.JSON, nullable=True),
+    sa.Column("attributes", sa.JSON, nullable=True),
+    sa.Column("call_index", sa.Integer, nullable=True),
+    sa.Column("idempotency_key", sa.String(200), nullable=False),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.UniqueConstraint("rollout_id", "idempotency_key", name="uq_events_rollout_key"),
+    sa.Index("ix_events_rollout", "rollout_id", "event_id"),
+)
+
+weight_versions = sa.Table(
+    "weight_versions",
+    metadata,
+    sa.Column("version", sa.String(200), primary_key=True),
+    sa.Column("path", sa.Text, nullable=True),
+    sa.Column("step", sa.Integer, nullable=True),
+    sa.Column("swap_seconds", sa.Double, nullable=True),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Index("ix_weight_versions_created", "created_at"),
+)
+
+train_metrics = sa.Table(
+    "train_metrics",
+    metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("run", sa.String(200), nullable=False),
+    sa.Column("step", sa.Integer, nullable=False),
+    sa.Column("metrics", sa.JSON, nullable=False),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.UniqueConstraint("run", "step", name="uq_train_metrics_run_step"),
+)

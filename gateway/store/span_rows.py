@@ -1,0 +1,90 @@
+"""Span rows ready for the database: value tuples in ``COLUMNS`` order, JSON columns already serialized
+(orjson, once), token arrays already encoded (``codec``), gathered with the rollout facts the batch implies.
+
+``SpanBatch`` is what ``Store.insert_spans`` writes in one transaction. It is built either from row dicts
+(``SpanBatch.from_dicts``: OTLP ingest, tools, tests) or row by row by the tracing exporter, which encodes
+a gateway call straight from its ``CallRecord`` (``add``), without a dict or an attribute round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import orjson
+
+from tracegym.gateway.store.schema import spans as S
+
+COLUMNS: tuple[str, ...] = tuple(c.name for c in S.columns if c.name != "id")
+"""Insert order of a row tuple (every ``spans`` column except the generated ``id``)."""
+JSON_COLUMNS = frozenset({"attributes", "resource", "events"})
+ROLLOUT_POS = COLUMNS.index("rollout_id")
+END_POS = COLUMNS.index("end_time_ns")
+_REQUIRED = ("trace_id", "span_id", "name", "start_time_ns", "end_time_ns", "attributes")
+_DEFAULTS: dict[str, Any] = {"source": "gateway", "kind": "internal", "status": "unset"}
+_JSON_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+JSON_NULL = "null"
+"""How a None in a JSON column is stored (what SQLAlchemy's ``JSON`` type writes for None)."""
+
+
+def json_text(obj: Any) -> str:
+    """The stored text of a JSON column value (the same serializer as the engine's ``json_serializer``)."""
+    return orjson.dumps(obj, option=_JSON_OPTS).decode()
+
+
+def encode_row(row: dict[str, Any], i: int = 0) -> tuple:
+    """A row dict (keys: ``spans`` columns) as a value tuple; missing optional columns take defaults."""
+    missing = [k for k in _REQUIRED if row.get(k) is None]
+    if missing:
+        raise ValueError(f"span row {i} lacks {', '.join(missing)}")
+    return tuple(
+        json_text(row.get(c)) if c in JSON_COLUMNS else row.get(c, _DEFAULTS.get(c)) for c in COLUMNS
+    )
+
+
+class SpanBatch:
+    """Rows for one insert transaction, plus per rollout: its task id (first one seen) and the weight
+    version of its latest span (by end time)."""
+
+    __slots__ = ("rows", "tasks", "versions")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.tasks: dict[str, str | None] = {}
+        self.versions: dict[str, tuple[int, str]] = {}
+
+    @classmethod
+    def from_dicts(cls, rows: Iterable[dict[str, Any]]) -> SpanBatch:
+        batch = cls()
+        for i, r in enumerate(rows):
+            attrs = r.get("attributes")
+            get = attrs.get if isinstance(attrs, dict) else {}.get
+            batch.add(encode_row(r, i), get("tracegym.task_id"), get("tracegym.weight_version"))
+        return batch
+
+    def add(self, row: tuple, task_id: str | None, weight_version: str | None) -> None:
+        """Append a value tuple (``COLUMNS`` order) with the task id and weight version its span names."""
+        self.rows.append(row)
+        rid = row[ROLLOUT_POS]
+        if rid is None:
+            return
+        if self.tasks.get(rid) is None:
+            self.tasks[rid] = task_id
+        if weight_version is not None:
+            seen = self.versions.get(rid)
+            end = row[END_POS]
+            if seen is None or seen[0] <= end:
+                self.versions[rid] = (end, weight_version)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self.rows)
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        """The rows as column dicts with JSON decoded (for tests and non-SQL sinks)."""
+        return [
+            {c: orjson.loads(v) if c in JSON_COLUMNS else v for c, v in zip(COLUMNS, row, strict=True)}
+            for row in self.rows
+        ]

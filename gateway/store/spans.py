@@ -1,0 +1,91 @@
+"""Span rows: batched insert (encoded ``SpanBatch`` -> SQLite executemany / PostgreSQL COPY, see
+``span_insert``) and decoded reads, CallRecords included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from tracegym.gateway.spans import call_record_to_row, decoded_choices, is_call_row, row_to_call_record
+from tracegym.gateway.store.codec import decode
+from tracegym.gateway.store.db import Database
+from tracegym.gateway.store.rollouts import ensure_rollouts
+from tracegym.gateway.store.schema import rollouts as R
+from tracegym.gateway.store.schema import spans as S
+from tracegym.gateway.store.span_insert import insert_postgresql, insert_sqlite
+from tracegym.gateway.store.span_rows import SpanBatch
+from tracegym.types import CallRecord
+
+_COLUMNS = [c.name for c in S.columns if c.name != "id"]
+
+
+def _span_dict(m: Any) -> dict[str, Any]:
+    d = {c: m[c] for c in _COLUMNS if c not in ("prompt_ids", "output_ids", "output_logprobs")}
+    d["prompt_ids"] = decode(m["prompt_ids"])
+    d["choices"] = decoded_choices(m)
+    return d
+
+
+class SpansMixin:
+    db: Database
+
+    def insert_spans(self, rows: list[dict] | SpanBatch) -> int:
+        """Insert span rows in one transaction: dicts keyed by the ``spans`` table's columns (build them
+        with ``tracegym.gateway.spans.call_record_to_row``) or an encoded ``SpanBatch`` (the tracing
+        exporter's form). Rollouts named by the rows that do not exist yet are created with status
+        ``adhoc``; a rollout's ``weight_version`` follows its latest span. Duplicate (trace_id, span_id)
+        pairs are ignored. Returns the number of rows inserted."""
+        batch = rows if isinstance(rows, SpanBatch) else SpanBatch.from_dicts(rows)
+        if not batch.rows:
+            return 0
+        with self.db.write() as conn:
+            ensure_rollouts(self.db, conn, batch.tasks.items())
+            raw = conn.connection.dbapi_connection
+            if self.db.dialect == "postgresql":
+                inserted = insert_postgresql(raw, batch.rows)
+            else:
+                inserted = insert_sqlite(raw, batch.rows)
+            if batch.versions:
+                conn.execute(
+                    sa.update(R)
+                    .where(R.c.rollout_id == sa.bindparam("rid"))
+                    .where(R.c.weight_version.is_distinct_from(sa.bindparam("wv")))
+                    .values(weight_version=sa.bindparam("wv")),
+                    [{"rid": rid, "wv": wv} for rid, (_, wv) in batch.versions.items()],
+                )
+        return inserted
+
+    def insert_call_records(self, recs: list[CallRecord]) -> int:
+        """``insert_spans`` of the records' rows (new random trace/span ids): for tests and imports."""
+        import secrets
+
+        rows = [call_record_to_row(r, trace_id=secrets.token_hex(16), span_id=secrets.token_hex(8))
+                for r in recs]
+        return self.insert_spans(rows)
+
+    def _span_rows(self, rollout_ids: list[str]) -> list[Any]:
+        q = (sa.select(S).where(S.c.rollout_id.in_(rollout_ids))
+             .order_by(S.c.rollout_id, S.c.start_time_ns, S.c.id))
+        with self.db.read() as conn:
+            return [r._mapping for r in conn.execute(q)]
+
+    def list_spans(self, rollout_id: str) -> list[dict]:
+        """All spans of a rollout (gateway and OTLP-ingested), ordered by start time, token arrays decoded:
+        ``{"trace_id", "span_id", "parent_span_id", "rollout_id", "call_id", "source", "name", "kind",
+        "start_time_ns", "end_time_ns", "status", "status_message", "attributes", "resource", "events",
+        "prompt_ids", "choices"}``; for LLM spans ``choices`` is ``[{"index", "output_ids",
+        "output_logprobs", "finish_reason", "message", "weight_versions"}]``, else None."""
+        return [_span_dict(m) for m in self._span_rows([rollout_id])]
+
+    def list_call_records(self, rollout_id: str) -> list[CallRecord]:
+        """The rollout's LLM calls as ``CallRecord``s (bit-exact ids and logprobs), in start order."""
+        return self.list_call_records_many([rollout_id]).get(rollout_id, [])
+
+    def list_call_records_many(self, rollout_ids: list[str]) -> dict[str, list[CallRecord]]:
+        """``list_call_records`` for several rollouts in one query (rollouts without calls are absent)."""
+        out: dict[str, list[CallRecord]] = {}
+        for m in self._span_rows(list(rollout_ids)):
+            if is_call_row(m):
+                out.setdefault(m["rollout_id"], []).append(row_to_call_record(m))
+        return out

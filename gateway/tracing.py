@@ -1,0 +1,370 @@
+"""Recording gateway calls as OpenTelemetry spans and writing them into the trace store.
+
+``TraceRecorder.record(rec)`` is on the request path and only enqueues ``(rec, start, end)`` into a bounded
+queue (a few µs). A build thread (``StoreSpanProcessor``) encodes each record's store row straight from the
+record (``gateway.spans.call_record_store_row``: no ``Tracer.start_span``, no per-attribute validation, no
+attribute -> row round trip) into ``SpanBatch``es, and a write thread inserts them (``StoreSpanExporter``
+-> ``Store.insert_spans``, one transaction per batch) while the next batch is being encoded. When extra
+span processors are attached (``add_span_processor``, e.g. an OTLP ``BatchSpanProcessor``), the build
+thread also makes each call a finished span directly (``CallSpan``, a ``ReadableSpan`` carrying its
+encoded row; its GenAI attributes are built on first access) and hands it to them. Spans started on
+``TraceRecorder.tracer`` go through the same queue (their row is derived from their attributes).
+
+When the queue is full the span is dropped, counted in ``tracegym_spans_dropped_total{reason="queue_full"}``
+and logged (at most every few seconds, with the count); a batch the store rejects after retries is counted
+with ``reason="export_error"``, a record that cannot be encoded with ``reason="encode_error"``. Nothing is
+lost silently. ``shutdown()`` flushes everything that was queued.
+
+Departure from ``BatchSpanProcessor``: it drops with only an OpenTelemetry-metrics counter and drops a
+failed batch after logging; ours reports both in Prometheus and retries the store before dropping.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tracegym.gateway.spans import (
+    attributes_to_row_fields,
+    call_record_attributes,
+    call_record_store_row,
+    json_safe,
+    span_name,
+)
+from tracegym.gateway.store.span_rows import SpanBatch, encode_row, json_text
+from tracegym.types import CallRecord
+
+log = logging.getLogger(__name__)
+
+_STATUS = {StatusCode.UNSET: "unset", StatusCode.OK: "ok", StatusCode.ERROR: "error"}
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_OK = Status(StatusCode.OK)
+SCOPE = "tracegym.gateway"
+
+
+def readable_span_to_row(span: ReadableSpan, *, source: str = "gateway") -> dict:
+    """A store row from a finished SDK span."""
+    ctx = span.context
+    parent = span.parent
+    events = [
+        {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
+    ]
+    return {
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_span_id": format(parent.span_id, "016x") if parent is not None else None,
+        "source": source,
+        "name": span.name,
+        "kind": span.kind.name.lower(),
+        "start_time_ns": span.start_time,
+        "end_time_ns": span.end_time,
+        "status": _STATUS[span.status.status_code],
+        "status_message": span.status.description,
+        "resource": dict(span.resource.attributes),
+        "events": json_safe(events) or None,
+        **attributes_to_row_fields(dict(span.attributes or {})),
+    }
+
+
+class CallSpan(ReadableSpan):
+    """The finished span of one gateway call, built directly from its ``CallRecord``.
+
+    ``store_row`` is its ``spans`` value tuple (encoded once, here); ``attributes`` (the OpenTelemetry
+    GenAI attributes of ``gateway.spans.call_record_attributes``) are computed on first access, so the
+    store path never pays for them while other exporters still see proper spans.
+    """
+
+    def __init__(self, rec: CallRecord, *, trace_id: int, span_id: int, start_time: int, end_time: int,
+                 resource: Resource, resource_json: str, scope: InstrumentationScope) -> None:
+        self.record = rec
+        self.store_row = call_record_store_row(
+            rec, trace_id=f"{trace_id:032x}", span_id=f"{span_id:016x}", resource_json=resource_json,
+            start_time_ns=start_time, end_time_ns=end_time,
+        )
+        super().__init__(
+            name=span_name(rec), context=SpanContext(trace_id, span_id, False, _SAMPLED), parent=None,
+            resource=resource, attributes=None, kind=SpanKind.CLIENT,
+            status=Status(StatusCode.ERROR, rec.error) if rec.status == "error" else _OK,
+            start_time=start_time, end_time=end_time, instrumentation_scope=scope,
+        )
+
+    @property
+    def _attributes(self) -> dict[str, Any]:  # type: ignore[override]
+        if self._lazy_attributes is None:
+            self._lazy_attributes = call_record_attributes(self.record)
+        return self._lazy_attributes
+
+    @_attributes.setter
+    def _attributes(self, value: dict[str, Any] | None) -> None:
+        self._lazy_attributes = value
+
+
+class SpanMetrics:
+    """Prometheus counters of the span pipeline, registered in the app's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.recorded = Counter("tracegym_spans_recorded", "Spans handed to the recorder", registry=registry)
+        self.exported = Counter("tracegym_spans_exported", "Spans written to the store", registry=registry)
+        self.dropped = Counter(
+            "tracegym_spans_dropped",
+            "Spans lost (queue_full, encode_error, export_error, shutdown)", ["reason"], registry=registry,
+        )
+        self.queue_size = Gauge("tracegym_span_queue_size", "Spans waiting for export", registry=registry)
+
+
+class StoreSpanExporter(SpanExporter):
+    """Writes span batches into the store (one transaction per batch), retrying transient failures.
+    ``CallSpan``s bring their encoded row; any other span is converted from its attributes."""
+
+    def __init__(self, store: object, metrics: SpanMetrics, *, retries: int = 3, source: str = "gateway"):
+        self.store = store
+        self.metrics = metrics
+        self.retries = retries
+        self.source = source
+
+    def add_span(self, batch: SpanBatch, span: ReadableSpan) -> None:
+        """Append ``span``'s row to ``batch`` (an unstorable span is counted as dropped and logged)."""
+        if isinstance(span, CallSpan):
+            batch.add(span.store_row, span.record.task_id, span.record.weight_version)
+            return
+        try:
+            row = readable_span_to_row(span, source=self.source)
+            attrs = row["attributes"]
+            batch.add(encode_row(row), attrs.get("tracegym.task_id"), attrs.get("tracegym.weight_version"))
+        except (TypeError, ValueError):  # unstorable attribute values: count, log, go on
+            log.exception("dropping span %r: it cannot be encoded for the store", span.name)
+            self.metrics.dropped.labels("encode_error").inc()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        batch = SpanBatch()
+        for s in spans:
+            self.add_span(batch, s)
+        return self.export_batch(batch)
+
+    def export_batch(self, batch: SpanBatch) -> SpanExportResult:
+        """Insert an encoded batch; after ``retries`` failures count it as dropped (never raises)."""
+        if not batch:
+            return SpanExportResult.SUCCESS
+        for attempt in range(1, self.retries + 1):
+            try:
+                self.store.insert_spans(batch)  # type: ignore[attr-defined]
+                self.metrics.exported.inc(len(batch))
+                return SpanExportResult.SUCCESS
+            except Exception:  # any store failure: retry, then count the loss loudly
+                if attempt == self.retries:
+                    log.exception("dropping %d spans: the store rejected them %d times", len(batch), attempt)
+                    self.metrics.dropped.labels("export_error").inc(len(batch))
+                    return SpanExportResult.FAILURE
+                time.sleep(0.1 * 2**attempt)
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        pass
+
+
+QueueItem = ReadableSpan | tuple[CallRecord, int, int]
+
+
+class StoreSpanProcessor(SpanProcessor):
+    """Bounded queue + a two-stage export pipeline; drops (counted, logged) instead of blocking when full.
+
+    The queue holds finished SDK spans (``on_end``) and ``(CallRecord, start_ns, end_ns)`` tuples
+    (``enqueue_call``). The build thread takes up to ``max_batch_size`` of them at a time and encodes their
+    store rows into a ``SpanBatch`` (making ``CallSpan``s for the ``extra_processors`` when there are any);
+    the write thread inserts the batches. The database work of one batch (mostly outside the GIL: SQLite's
+    C code, PostgreSQL's server) thus overlaps the Python encoding of the next; at most ``pipeline_depth``
+    encoded batches wait for the writer.
+    """
+
+    def __init__(self, exporter: StoreSpanExporter, metrics: SpanMetrics, *, max_queue_size: int = 50_000,
+                 max_batch_size: int = 2_000, schedule_delay_s: float = 0.1, warn_every_s: float = 5.0,
+                 resource: Resource | None = None, pipeline_depth: int = 2) -> None:
+        self.exporter = exporter
+        self.metrics = metrics
+        self.max_queue_size = max_queue_size
+        self.max_batch_size = max_batch_size
+        self.schedule_delay_s = schedule_delay_s
+        self.warn_every_s = warn_every_s
+        self.extra_processors: list[SpanProcessor] = []
+        self.resource = resource if resource is not None else Resource.create({})
+        self._resource_json = json_text(json_safe(dict(self.resource.attributes)))
+        self._scope = InstrumentationScope(SCOPE)
+        self._ids = RandomIdGenerator()
+        self._queue: collections.deque[QueueItem] = collections.deque()
+        self._batches: queue.Queue[SpanBatch | None] = queue.Queue(maxsize=pipeline_depth)
+        self._wake = threading.Event()
+        self._build_lock = threading.Lock()
+        self._shutdown = False
+        self._dropped_since_warning = 0
+        self._last_warning = 0.0
+        metrics.queue_size.set_function(lambda: len(self._queue))
+        self._writer = threading.Thread(target=self._write_loop, name="tracegym-span-write", daemon=True)
+        self._builder = threading.Thread(target=self._build_loop, name="tracegym-span-build", daemon=True)
+        self._writer.start()
+        self._builder.start()
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._enqueue(span)
+
+    def enqueue_call(self, rec: CallRecord, start_ns: int, end_ns: int) -> None:
+        """Queue a finished call (non-blocking; dropped and counted when the queue is full)."""
+        self._enqueue((rec, start_ns, end_ns))
+
+    def _enqueue(self, item: QueueItem) -> None:
+        if self._shutdown:
+            self._drop("shutdown")
+            return
+        q = self._queue
+        if len(q) >= self.max_queue_size:
+            self._drop("queue_full")
+            return
+        q.append(item)
+        if len(q) >= self.max_batch_size and not self._wake.is_set():
+            self._wake.set()
+
+    def _drop(self, reason: str) -> None:
+        self.metrics.dropped.labels(reason).inc()
+        self._dropped_since_warning += 1
+        now = time.monotonic()
+        if now - self._last_warning >= self.warn_every_s:
+            log.warning("span queue %s: dropped %d spans (queue size %d, limit %d)", reason,
+                        self._dropped_since_warning, len(self._queue), self.max_queue_size)
+            self._dropped_since_warning = 0
+            self._last_warning = now
+
+    def _add_call(self, batch: SpanBatch, rec: CallRecord, start: int, end: int) -> None:
+        trace_id, span_id = self._ids.generate_trace_id(), self._ids.generate_span_id()
+        try:
+            if self.extra_processors:
+                span = CallSpan(rec, trace_id=trace_id, span_id=span_id, start_time=start, end_time=end,
+                                resource=self.resource, resource_json=self._resource_json, scope=self._scope)
+                for p in self.extra_processors:
+                    p.on_end(span)
+                row = span.store_row
+            else:  # nobody else wants the span object: encode the row alone
+                row = call_record_store_row(rec, trace_id=f"{trace_id:032x}", span_id=f"{span_id:016x}",
+                                            resource_json=self._resource_json, start_time_ns=start,
+                                            end_time_ns=end)
+        except (TypeError, ValueError):  # e.g. a request body orjson cannot serialize: count, log, go on
+            log.exception("dropping the span of call %r: it cannot be encoded", getattr(rec, "call_id", None))
+            self.metrics.dropped.labels("encode_error").inc()
+            return
+        batch.add(row, rec.task_id, rec.weight_version)
+
+    def _build(self, items: list[QueueItem]) -> SpanBatch:
+        batch = SpanBatch()
+        for item in items:
+            if type(item) is tuple:
+                self._add_call(batch, *item)
+            else:
+                self.exporter.add_span(batch, item)  # type: ignore[arg-type]
+        return batch
+
+    def _drain(self, everything: bool) -> None:
+        """Encode queued spans into batches for the writer (all of them, or while a full batch is queued);
+        with ``everything``, also wait until the writer has stored them."""
+        with self._build_lock:
+            q = self._queue
+            while q:
+                n = min(self.max_batch_size, len(q))
+                self._batches.put(self._build([q.popleft() for _ in range(n)]))
+                if not everything and len(q) < self.max_batch_size:
+                    break
+        if everything:
+            self._batches.join()
+
+    def _build_loop(self) -> None:
+        while not self._shutdown:
+            self._wake.wait(self.schedule_delay_s)
+            self._wake.clear()
+            self._drain(everything=False)
+
+    def _write_loop(self) -> None:
+        while True:
+            batch = self._batches.get()
+            try:
+                if batch is None:
+                    return
+                self.exporter.export_batch(batch)
+            finally:
+                self._batches.task_done()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        self._drain(everything=True)
+        return not self._queue
+
+    def shutdown(self) -> None:
+        if self._shutdown:
+            return
+        self._shutdown = True
+        self._wake.set()
+        self._builder.join()
+        self._drain(everything=True)
+        self._batches.put(None)
+        self._writer.join()
+        self.exporter.shutdown()
+
+
+class TraceRecorder:
+    """Turns ``CallRecord``s into spans (``record``) and gets them into the store.
+
+    Owned by the app's lifespan: ``TraceRecorder(store, registry=app.state.metrics_registry)``, then
+    ``shutdown()`` on exit (flushes). Extra exporters (e.g. OTLP to a collector) can be attached with
+    ``add_span_processor``: they receive every call span (from the export thread) and the spans started
+    on ``tracer``.
+    """
+
+    def __init__(self, store: object, *, registry: CollectorRegistry | None = None,
+                 service_name: str = "tracegym-gateway", max_queue_size: int = 50_000,
+                 max_batch_size: int = 2_000, schedule_delay_s: float = 0.1) -> None:
+        self.metrics = SpanMetrics(registry if registry is not None else CollectorRegistry())
+        resource = Resource.create({"service.name": service_name})
+        self.exporter = StoreSpanExporter(store, self.metrics)
+        self.processor = StoreSpanProcessor(self.exporter, self.metrics, max_queue_size=max_queue_size,
+                                            max_batch_size=max_batch_size, schedule_delay_s=schedule_delay_s,
+                                            resource=resource)
+        self.provider = TracerProvider(
+            resource=resource,
+            span_limits=SpanLimits(max_span_attributes=256, max_attribute_length=None),
+            shutdown_on_exit=False,
+        )
+        self.provider.add_span_processor(self.processor)
+        self.tracer = self.provider.get_tracer(SCOPE)
+
+    def add_span_processor(self, processor: SpanProcessor) -> None:
+        """Also send every span to ``processor`` (flushed and shut down after the store's processor)."""
+        self.processor.extra_processors.append(processor)
+        self.provider.add_span_processor(processor)
+
+    def record(self, rec: CallRecord) -> None:
+        """Record one finished call as a span with the call's own start/end times. Never blocks: the
+        record is queued (do not mutate it afterwards) and becomes a span in the export thread."""
+        start = rec.start_time_ns or time.time_ns()
+        end = rec.end_time_ns or time.time_ns()
+        self.processor.enqueue_call(rec, start, end if end > start else start)
+        self.metrics.recorded.inc()
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Write everything queued so far; True when the queue is empty."""
+        return self.provider.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        """Flush and stop the export thread (idempotent)."""
+        self.provider.shutdown()

@@ -1,0 +1,234 @@
+"""SGLang's native API (also served by the embedded engine): ``/generate`` with ``input_ids`` and
+``return_logprob``, token-in/token-out. Output ids come from ``meta_info.output_token_logprobs``
+(``[logprob, id, text]`` triples), the weight version from ``meta_info.weight_version``.
+
+Streams are SGLang's default cumulative chunks (full ids/logprobs so far; not
+``--incremental-streaming-output``); this adapter turns them into per-choice deltas."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tracegym.gateway.upstream.base import (
+    GenChoice,
+    GenerateRequest,
+    GenerateResult,
+    ModelInfo,
+    StreamEvent,
+    TopLogprob,
+    Upstream,
+)
+from tracegym.gateway.upstream.http import (
+    JSON_HEADERS,
+    BackgroundTasks,
+    check_status,
+    request_timeout,
+    sse_events,
+    upstream_errors,
+)
+
+log = logging.getLogger("tracegym.gateway")
+
+
+def sampling_params(req: GenerateRequest) -> dict[str, Any]:
+    """OpenAI names → SGLang ``sampling_params`` (only keys that were set: SGLang 0.5.23 and the
+    embedded engine reject unknown keys)."""
+    s = req.sampling
+    sp: dict[str, Any] = {}
+    if s.max_tokens is not None:
+        sp["max_new_tokens"] = s.max_tokens
+    if s.temperature is not None:
+        sp["temperature"] = s.temperature
+    if s.top_p is not None:
+        sp["top_p"] = s.top_p
+    if s.stop:
+        sp["stop"] = s.stop
+    if s.stop_token_ids:
+        sp["stop_token_ids"] = s.stop_token_ids
+    if s.seed is not None:
+        sp["sampling_seed"] = s.seed
+    if s.frequency_penalty is not None:
+        sp["frequency_penalty"] = s.frequency_penalty
+    if s.presence_penalty is not None:
+        sp["presence_penalty"] = s.presence_penalty
+    if s.n > 1:
+        sp["n"] = s.n
+    return sp
+
+
+def generate_payload(req: GenerateRequest, *, stream: bool) -> dict[str, Any]:
+    if req.input_ids is None:
+        raise ValueError("the sglang upstream needs input_ids")
+    payload: dict[str, Any] = {
+        "input_ids": req.input_ids,
+        "rid": req.rid,
+        "sampling_params": sampling_params(req),
+        "return_logprob": True,
+        "stream": stream,
+    }
+    if req.top_logprobs:
+        payload["top_logprobs_num"] = req.top_logprobs
+    return payload
+
+
+def finish_reason(meta: dict[str, Any]) -> tuple[str | None, str | None]:
+    """SGLang's ``meta_info.finish_reason`` → (OpenAI finish_reason, matched stop string or None)."""
+    fr = meta.get("finish_reason")
+    if fr is None:
+        return None, None
+    kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+    if kind == "stop":
+        matched = fr.get("matched") if isinstance(fr, dict) else None
+        return "stop", matched if isinstance(matched, str) else None
+    if kind == "length":
+        return "length", None
+    if kind == "abort":
+        return "abort", None
+    return str(kind), None
+
+
+def _ids_and_logprobs(item: dict[str, Any]) -> tuple[list[int], list[float] | None]:
+    triples = item["meta_info"].get("output_token_logprobs")
+    if triples:
+        return [int(t[1]) for t in triples], [float(t[0]) for t in triples]
+    return list(item.get("output_ids") or []), None
+
+
+def _top_logprobs(item: dict[str, Any]) -> list[list[TopLogprob]] | None:
+    tops = item["meta_info"].get("output_top_logprobs")
+    if not tops:
+        return None
+    return [[TopLogprob(int(t[1]), float(t[0]), t[2] if len(t) > 2 else None) for t in pos or []] for pos in tops]
+
+
+def parse_item(index: int, item: dict[str, Any]) -> GenChoice:
+    meta = item["meta_info"]
+    ids, lps = _ids_and_logprobs(item)
+    reason, matched = finish_reason(meta)
+    abort_msg = meta["finish_reason"].get("message") if reason == "abort" else None
+    return GenChoice(
+        index=index, output_ids=ids, logprobs=lps, top_logprobs=_top_logprobs(item), text=item.get("text"),
+        finish_reason=reason, stop_matched=matched, error=abort_msg,
+    )
+
+
+def parse_generate_response(body: Any) -> GenerateResult:
+    items = body if isinstance(body, list) else [body]
+    if not items:
+        raise ValueError("empty /generate response")
+    meta = items[0]["meta_info"]
+    return GenerateResult(
+        choices=[parse_item(i, it) for i, it in enumerate(items)],
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        weight_version=meta.get("weight_version"),
+    )
+
+
+class _CumulativeToDelta:
+    """Per-choice bookkeeping that turns SGLang's cumulative stream chunks into deltas."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+        self.tops_seen: dict[int, int] = {}
+
+    def delta(self, item: dict[str, Any]) -> StreamEvent:
+        index = int(item.get("index", 0))
+        meta = item["meta_info"]
+        ids, lps = _ids_and_logprobs(item)
+        start = self.seen.get(index, 0)
+        self.seen[index] = len(ids)
+        tops = _top_logprobs(item)
+        reason, matched = finish_reason(meta)
+        choice = GenChoice(
+            index=index, output_ids=ids[start:], logprobs=lps[start:] if lps is not None else None,
+            top_logprobs=tops[start:] if tops is not None else None, finish_reason=reason,
+            stop_matched=matched,
+            error=meta["finish_reason"].get("message") if reason == "abort" else None,
+        )
+        return StreamEvent(
+            choice=choice, prompt_tokens=meta.get("prompt_tokens"), weight_version=meta.get("weight_version")
+        )
+
+
+class SGLangUpstream(Upstream):
+    kind = "sglang"
+    token_native = True
+
+    def __init__(
+        self, base_url: str, session: aiohttp.ClientSession, *, timeout: float = 600.0,
+        connect_timeout: float = 10.0, health_timeout: float = 2.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._timeout_s = timeout
+        self._timeout = request_timeout(timeout, connect_timeout)
+        self._health_timeout = aiohttp.ClientTimeout(total=health_timeout)
+        self._bg = BackgroundTasks()
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        url = self.base_url + "/generate"
+        with upstream_errors(url, self._timeout_s):
+            async with self._session.post(
+                url, data=orjson.dumps(generate_payload(req, stream=False)), headers=JSON_HEADERS,
+                timeout=self._timeout,
+            ) as resp:
+                await check_status(resp)
+                body = orjson.loads(await resp.read())
+        return parse_generate_response(body)
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        url = self.base_url + "/generate"
+        converter = _CumulativeToDelta()
+        finished = False
+        with upstream_errors(url, self._timeout_s):
+            resp = await self._session.post(
+                url, data=orjson.dumps(generate_payload(req, stream=True)), headers=JSON_HEADERS,
+                timeout=self._timeout,
+            )
+            try:
+                await check_status(resp)
+                async for item in sse_events(resp):
+                    yield converter.delta(item)
+                finished = True
+            finally:
+                if not finished:  # consumer went away or the stream broke: stop the generation upstream
+                    resp.close()
+                    self._bg.spawn(self.abort(req.rid))
+                else:
+                    resp.release()
+
+    async def model_info(self) -> ModelInfo:
+        url = self.base_url + "/model_info"
+        with upstream_errors(url, self._timeout_s):
+            async with self._session.get(url, timeout=self._timeout) as resp:
+                await check_status(resp)
+                body = orjson.loads(await resp.read())
+        return ModelInfo(
+            served_model_name=body.get("served_model_name"), tokenizer_path=body.get("tokenizer_path"),
+            model_path=body.get("model_path"), weight_version=body.get("weight_version"), raw=body,
+        )
+
+    async def health(self) -> dict[str, Any]:
+        url = self.base_url + "/health"
+        try:
+            async with self._session.get(url, timeout=self._health_timeout) as resp:
+                return {"reachable": resp.status == 200, "status_code": resp.status, "url": self.base_url}
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return {"reachable": False, "error": f"{type(e).__name__}: {e}", "url": self.base_url}
+
+    async def abort(self, rid: str) -> None:
+        url = self.base_url + "/abort_request"
+        try:
+            async with self._session.post(url, data=orjson.dumps({"rid": rid}), headers=JSON_HEADERS,
+                                          timeout=self._health_timeout) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("abort of %s at %s failed: %s", rid, url, e)
+
+    async def close(self) -> None:
+        await self._bg.close()

@@ -1,0 +1,333 @@
+"""The SDK's HTTP client for the gateway's control API (docs/api.md): configuration, retries, errors.
+
+Every call retries transport errors, timeouts and 408/429/5xx answers with exponential backoff, then
+raises ``GatewayUnreachableError`` naming the URL and the last error. Other 4xx answers raise
+``GatewayError`` at once with the gateway's message (``LeaseLostError`` for 409).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import random
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+
+DEFAULT_GATEWAY = "http://127.0.0.1:8000"
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class GatewayError(RuntimeError):
+    """The gateway answered with an error (or could not be reached: see the subclass)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class GatewayUnreachableError(GatewayError):
+    """The gateway did not answer successfully within the retry budget."""
+
+
+class LeaseLostError(GatewayError):
+    """409 from the queue: the rollout's lease was lost or the rollout is already finished."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """``attempts`` tries in all; the waits between them double from ``backoff`` up to ``max_backoff``
+    (each multiplied by a random factor in [0.75, 1.25] so many clients do not retry in lockstep)."""
+
+    attempts: int = 6
+    backoff: float = 0.5
+    max_backoff: float = 8.0
+
+    def delays(self) -> list[float]:
+        """The nominal waits before tries 2..attempts (no jitter)."""
+        return [min(self.max_backoff, self.backoff * 2**i) for i in range(max(0, self.attempts - 1))]
+
+
+@dataclass(frozen=True, slots=True)
+class SDKConfig:
+    gateway_url: str = DEFAULT_GATEWAY
+    api_key: str | None = None
+    timeout: float = 30.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+class _ConfigHolder:
+    """What ``tg.configure`` set, resolved against the environment at use time.
+
+    This is the SDK's only process-wide state, and it is what ``configure`` is for. Code that runs
+    agents (the runner) passes its own ``SDKConfig`` into each rollout scope and never reads this.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._set: dict[str, Any] = {}
+
+    def update(self, **values: Any) -> None:
+        with self._lock:
+            self._set.update({k: v for k, v in values.items() if v is not None})
+
+    def reset(self) -> None:
+        with self._lock:
+            self._set.clear()
+
+    def resolve(self) -> SDKConfig:
+        with self._lock:
+            s = dict(self._set)
+        url = s.get("gateway_url") or os.environ.get("TRACEGYM_GATEWAY") or DEFAULT_GATEWAY
+        key = s.get("api_key") or os.environ.get("TRACEGYM_API_KEY") or None
+        base = SDKConfig(gateway_url=normalize_url(url), api_key=key)
+        retry = replace(base.retry, **{k: s[k] for k in ("attempts", "backoff", "max_backoff") if k in s})
+        return replace(base, timeout=s.get("timeout", base.timeout), retry=retry)
+
+
+_CONFIG = _ConfigHolder()
+
+
+def configure(
+    gateway_url: str | None = None,
+    api_key: str | None = None,
+    *,
+    timeout: float | None = None,
+    retry_attempts: int | None = None,
+    retry_backoff: float | None = None,
+    retry_max_backoff: float | None = None,
+) -> SDKConfig:
+    """Set the gateway the SDK talks to (default ``$TRACEGYM_GATEWAY``, else ``http://127.0.0.1:8000``)
+    and its API key (default ``$TRACEGYM_API_KEY``). Returns the resulting configuration."""
+    if gateway_url is not None:
+        gateway_url = normalize_url(gateway_url)
+    if retry_attempts is not None and retry_attempts < 1:
+        raise ValueError(f"retry_attempts must be >= 1, got {retry_attempts}")
+    _CONFIG.update(
+        gateway_url=gateway_url,
+        api_key=api_key,
+        timeout=timeout,
+        attempts=retry_attempts,
+        backoff=retry_backoff,
+        max_backoff=retry_max_backoff,
+    )
+    return _CONFIG.resolve()
+
+
+def reset_configuration() -> None:
+    """Forget everything ``configure`` set (tests use it)."""
+    _CONFIG.reset()
+
+
+def current_config() -> SDKConfig:
+    return _CONFIG.resolve()
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"gateway URL must start with http:// or https://, got {url!r}")
+    return url
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """One CA-loaded SSL context for all SDK clients: building it is ~0.1 s, most of a client's cost."""
+    import certifi
+
+    return ssl.create_default_context(cafile=certifi.where())
+
+
+def _error_text(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    return json.dumps(body)[:500]
+
+
+def _check(resp: httpx.Response, what: str) -> httpx.Response:
+    if resp.is_success:
+        return resp
+    msg = f"{what}: gateway answered {resp.status_code}: {_error_text(resp)}"
+    if resp.status_code == 409:
+        raise LeaseLostError(msg, status=409)
+    raise GatewayError(msg, status=resp.status_code)
+
+
+def _jitter(delay: float) -> float:
+    return delay * random.uniform(0.75, 1.25)
+
+
+def _give_up(cfg: SDKConfig, what: str, last: str) -> GatewayUnreachableError:
+    total = sum(cfg.retry.delays())
+    return GatewayUnreachableError(
+        f"{what}: the tracegym gateway at {cfg.gateway_url} did not answer after {cfg.retry.attempts} "
+        f"attempts over ~{total:.1f}s (last error: {last}). Is `tracegym serve` running there? Set the "
+        "URL with tg.configure(gateway_url=...) or $TRACEGYM_GATEWAY."
+    )
+
+
+class GatewayClient:
+    """Blocking client (rewards from sync code, enqueue, export). Thread-safe; close it when done."""
+
+    def __init__(self, config: SDKConfig | None = None) -> None:
+        self.config = config or current_config()
+        self._http = httpx.Client(
+            base_url=self.config.gateway_url,
+            headers=self.config.headers(),
+            timeout=self.config.timeout,
+            verify=_ssl_context(),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> GatewayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, what: str, **kw: Any) -> httpx.Response:
+        last = "none"
+        for delay in [0.0, *self.config.retry.delays()]:
+            if delay:
+                time.sleep(_jitter(delay))
+            try:
+                resp = self._http.request(method, path, **kw)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if resp.status_code in RETRY_STATUSES:
+                last = f"HTTP {resp.status_code}: {_error_text(resp)}"
+                continue
+            return _check(resp, what)
+        raise _give_up(self.config, what, last)
+
+    def post(self, path: str, body: dict[str, Any], what: str) -> Any:
+        return self.request("POST", path, what, json=body).json()
+
+    def get(self, path: str, what: str, params: dict[str, Any] | None = None) -> Any:
+        return self.request("GET", path, what, params=_clean(params)).json()
+
+    def iter_lines(self, path: str, what: str, params: dict[str, Any] | None = None) -> Iterator[str]:
+        """The non-empty lines of a JSON-lines answer, streamed (one try: a half-read stream is not
+        retried, so nothing is yielded twice)."""
+        try:
+            with self._http.stream("GET", path, params=_clean(params)) as resp:
+                if not resp.is_success:
+                    resp.read()
+                    _check(resp, what)
+                for line in resp.iter_lines():
+                    if line.strip():
+                        yield line
+        except httpx.TransportError as e:
+            raise _give_up(replace(self.config, retry=RetryPolicy(attempts=1)), what, repr(e)) from e
+
+    # -- typed helpers for the routes the SDK uses --------------------------------------------------
+    def enqueue_tasks(
+        self, tasks: list[dict[str, Any]], *, group_size: int = 1, max_attempts: int = 3
+    ) -> list[dict[str, Any]]:
+        body = {"tasks": tasks, "group_size": group_size, "max_attempts": max_attempts}
+        return self.post("/api/tasks", body, "enqueue tasks")["tasks"]
+
+    def add_event(self, rollout_id: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.post(f"/api/rollouts/{rollout_id}/{kind}", body, f"send {kind[:-1]} for {rollout_id}")
+
+    def get_rollout(self, rollout_id: str) -> dict[str, Any]:
+        return self.get(f"/api/rollouts/{rollout_id}", f"get rollout {rollout_id}")
+
+    def rollout_spans(self, rollout_id: str) -> list[dict[str, Any]]:
+        return self.get(f"/api/rollouts/{rollout_id}/spans", f"get spans of {rollout_id}")["spans"]
+
+    def iter_rollouts(self, **filters: Any) -> Iterator[dict[str, Any]]:
+        """Every rollout matching ``filters`` (status, task_id, group_id, since, until), page by page."""
+        cursor = None
+        while True:
+            page = self.get("/api/rollouts", "list rollouts", {**filters, "cursor": cursor})
+            yield from page["rollouts"]
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+
+
+class AsyncGatewayClient:
+    """The same on asyncio (the runner, ``tg.areward``). Use it as an async context manager."""
+
+    def __init__(self, config: SDKConfig | None = None) -> None:
+        self.config = config or current_config()
+        self._http = httpx.AsyncClient(
+            base_url=self.config.gateway_url,
+            headers=self.config.headers(),
+            timeout=self.config.timeout,
+            verify=_ssl_context(),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncGatewayClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def post(self, path: str, body: dict[str, Any], what: str) -> Any:
+        last = "none"
+        for delay in [0.0, *self.config.retry.delays()]:
+            if delay:
+                await asyncio.sleep(_jitter(delay))
+            try:
+                resp = await self._http.post(path, json=body)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if resp.status_code in RETRY_STATUSES:
+                last = f"HTTP {resp.status_code}: {_error_text(resp)}"
+                continue
+            return _check(resp, what).json()
+        raise _give_up(self.config, what, last)
+
+    async def add_event(self, rollout_id: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
+        what = f"send {kind[:-1]} for {rollout_id}"
+        return await self.post(f"/api/rollouts/{rollout_id}/{kind}", body, what)
+
+    async def claim(self, worker_id: str, limit: int, lease_seconds: float) -> list[dict[str, Any]]:
+        body = {"worker_id": worker_id, "limit": limit, "lease_seconds": lease_seconds}
+        return (await self.post("/api/rollouts/claim", body, "claim rollouts"))["rollouts"]
+
+    async def heartbeat(self, rollout_id: str, worker_id: str, lease_seconds: float) -> dict[str, Any]:
+        body = {"worker_id": worker_id, "lease_seconds": lease_seconds}
+        return await self.post(f"/api/rollouts/{rollout_id}/heartbeat", body, f"heartbeat {rollout_id}")
+
+    async def complete(self, rollout_id: str, worker_id: str, reward: float | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"worker_id": worker_id}
+        if reward is not None:
+            body["reward"] = reward
+        return await self.post(f"/api/rollouts/{rollout_id}/complete", body, f"complete {rollout_id}")
+
+    async def fail(self, rollout_id: str, worker_id: str, error: str, tb: str | None) -> dict[str, Any]:
+        body = {"worker_id": worker_id, "error": error, "traceback": tb}
+        return await self.post(f"/api/rollouts/{rollout_id}/fail", body, f"fail {rollout_id}")
+
+    async def release(self, rollout_id: str, worker_id: str) -> dict[str, Any]:
+        body = {"worker_id": worker_id}
+        return await self.post(f"/api/rollouts/{rollout_id}/release", body, f"release {rollout_id}")
+
+
+def _clean(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if params is None else {k: v for k, v in params.items() if v is not None}

@@ -1,0 +1,130 @@
+"""``tracegym export``: trajectories or chat transcripts to JSONL, from the gateway's API.
+
+- ``--format trajectories``: the lines of ``GET /api/trajectories`` as they come (``tracegym.types.
+  Trajectory`` JSON: token ids, loss mask, logprobs, reward), for RL or token-level SFT.
+- ``--format chat``: one ``{"messages", "tools"?, "reward", "rollout_id", "task_id"}`` per rollout, for
+  chat SFT: the request messages of the rollout's last chat call plus the reply it got (from
+  ``GET /api/rollouts/{id}/spans``). Rollouts without a successful chat call are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from tracegym.client import GatewayClient, GatewayError, SDKConfig, current_config, normalize_url
+from tracegym.progress import Progress
+
+REQUEST_ATTR = "tracegym.request"
+
+
+def _attr_json(value: Any) -> Any:
+    """A structured attribute (the store keeps JSON; OTLP-ingested spans may carry a JSON string)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value
+
+
+def _clean(message: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def chat_example(spans: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``{"messages", "tools"?}`` from a rollout's spans (in start order): the last successful chat call's
+    request messages followed by its first choice's message; None when there is no such call."""
+    for span in reversed(spans):
+        request = _attr_json((span.get("attributes") or {}).get(REQUEST_ATTR))
+        choices = span.get("choices") or []
+        if span.get("status") == "error" or not isinstance(request, dict) or not choices:
+            continue
+        messages = request.get("messages")
+        reply = choices[0].get("message")
+        if not isinstance(messages, list) or not isinstance(reply, dict):
+            continue
+        example: dict[str, Any] = {"messages": [_clean(m) for m in messages] + [_clean(reply)]}
+        if request.get("tools"):
+            example["tools"] = request["tools"]
+        return example
+    return None
+
+
+def iter_chat(
+    client: GatewayClient, *, status: str | None, since: str | None, limit: int | None, skipped: list[str]
+) -> Iterator[dict[str, Any]]:
+    """Chat records of the matching rollouts, newest first; ids without a chat call go to ``skipped``."""
+    n = 0
+    for r in client.iter_rollouts(status=status, since=since):
+        if limit is not None and n >= limit:
+            return
+        example = chat_example(client.rollout_spans(r["rollout_id"]))
+        if example is None:
+            skipped.append(r["rollout_id"])
+            continue
+        n += 1
+        yield {
+            **example,
+            "reward": r.get("reward"),
+            "rollout_id": r["rollout_id"],
+            "task_id": r.get("task_id"),
+        }
+
+
+def export(
+    client: GatewayClient,
+    out: TextIO,
+    *,
+    fmt: str = "trajectories",
+    status: str | None = "completed",
+    since: str | None = None,
+    limit: int | None = None,
+    progress: Progress | None = None,
+) -> tuple[int, int]:
+    """Write JSONL to ``out``; returns (lines written, rollouts skipped)."""
+    if fmt not in ("trajectories", "chat"):
+        raise ValueError(f"unknown export format {fmt!r}; expected 'trajectories' or 'chat'")
+    written, skipped = 0, []
+    if fmt == "trajectories":
+        params = {"status": status, "since": since, "limit": limit}
+        lines: Iterator[str] = client.iter_lines("/api/trajectories", "export trajectories", params)
+    else:
+        records = iter_chat(client, status=status, since=since, limit=limit, skipped=skipped)
+        lines = (json.dumps(rec, ensure_ascii=False) for rec in records)
+    for line in lines:
+        out.write(line.rstrip("\n") + "\n")
+        written += 1
+        if progress:
+            progress.update(f"exported {written}" + (f" | skipped {len(skipped)}" if skipped else ""))
+    return written, len(skipped)
+
+
+def main(args: argparse.Namespace) -> int:
+    config = current_config()
+    if args.gateway:
+        config = SDKConfig(normalize_url(args.gateway), config.api_key, config.timeout, config.retry)
+    out_path = Path(args.out)
+    tmp = out_path.with_name(out_path.name + ".part")
+    bar = Progress(sys.stderr, interval=5.0)
+    with GatewayClient(config) as client, open(tmp, "w", encoding="utf-8") as f:
+        try:
+            written, skipped = export(
+                client,
+                f,
+                fmt=args.format,
+                status=args.status or None,
+                since=args.since,
+                limit=args.limit,
+                progress=bar,
+            )
+        except GatewayError as e:
+            raise SystemExit(f"tracegym export: {e} (partial output left in {tmp})") from None
+    tmp.replace(out_path)
+    note = f" ({skipped} rollouts without a chat call skipped)" if skipped else ""
+    bar.close(f"exported {written} {args.format} records to {out_path}{note}")
+    return 0

@@ -1,0 +1,108 @@
+"""Child processes on free ports: start in their own process group, wait for health, always stop.
+
+Used by ``tracegym serve --engine embedded`` (the engine child), ``tracegym train`` (engine, gateway,
+runner) and the tests. httpx + stdlib only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ManagedProcess:
+    """A child process in its own process group, its output in a log file."""
+
+    def __init__(self, proc: subprocess.Popen, log_path: Path, base_url: str, name: str = "") -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.base_url = base_url
+        self.name = name or str(proc.args)
+
+    def log(self, tail: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-tail:]
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the whole group, then SIGKILL after ``timeout`` seconds."""
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def tracegym_argv(args: list[str]) -> list[str]:
+    """``["tracegym", "serve", ...]`` → the same command run by this interpreter."""
+    return [sys.executable, "-m", "tracegym.cli", *args[1:]] if args and args[0] == "tracegym" else list(args)
+
+
+def start_process(
+    args: list[str],
+    *,
+    port: int | None,
+    log_path: Path,
+    health_path: str = "/health",
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    name: str = "",
+) -> ManagedProcess:
+    """Start ``args`` (``tracegym ...`` runs this interpreter's CLI) and wait until ``health_path`` on
+    ``port`` answers 200 (no wait when ``port`` is None). Raises with the child's log on failure."""
+    argv = tracegym_argv(args)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+        )
+    mp = ManagedProcess(proc, log_path, f"http://127.0.0.1:{port}" if port else "", name)
+    if port is None:
+        return mp
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{mp.name or argv} exited with code {proc.returncode}; its log:\n{mp.log()}")
+        try:
+            if httpx.get(mp.base_url + health_path, timeout=2).status_code == 200:
+                return mp
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    mp.stop()
+    raise TimeoutError(f"{mp.name or argv} did not answer {health_path} within {timeout:.0f}s; its log:\n{mp.log()}")

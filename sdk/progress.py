@@ -1,0 +1,70 @@
+"""Counters of a run and the progress line the runner and the exporter print on stderr."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+
+@dataclass
+class RunStats:
+    """What a runner did: ``done`` completed, ``failed`` reported failed, ``lost`` dropped because the
+    lease was lost, ``released`` handed back to the queue on stop, ``running`` in flight now."""
+
+    done: int = 0
+    failed: int = 0
+    lost: int = 0
+    released: int = 0
+    running: int = 0
+    rewards: list[float] = field(default_factory=list)
+
+    def record_done(self, reward: float | None) -> None:
+        self.done += 1
+        if reward is not None:
+            self.rewards.append(reward)
+
+    @property
+    def mean_reward(self) -> float | None:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else None
+
+    def line(self) -> str:
+        mean = "-" if self.mean_reward is None else f"{self.mean_reward:.3f}"
+        extra = "".join(
+            f" | {name} {n}" for name, n in (("lost", self.lost), ("released", self.released)) if n
+        )
+        return f"done {self.done} | failed {self.failed} | running {self.running} | mean reward {mean}{extra}"
+
+
+class Progress:
+    """One line rewritten in place on a TTY (at most every ``tty_interval`` s); otherwise a line every
+    ``interval`` seconds when something changed. ``close`` prints the final line."""
+
+    def __init__(self, stream: TextIO, *, interval: float = 10.0, tty_interval: float = 0.2) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.interval = tty_interval if self.tty else interval
+        self._last_time = 0.0
+        self._last_text = ""
+
+    def update(self, stats: RunStats | str) -> None:
+        text = stats if isinstance(stats, str) else stats.line()
+        now = time.monotonic()
+        if text == self._last_text or now - self._last_time < self.interval:
+            return
+        self._write(text)
+        self._last_time, self._last_text = now, text
+
+    def close(self, stats: RunStats | str) -> None:
+        text = stats if isinstance(stats, str) else stats.line()
+        self._write(text)
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.flush()
+
+    def _write(self, text: str) -> None:
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()

@@ -1,0 +1,231 @@
+"""Property-based assembly tests over synthetic rollouts: extensions, rewrites, retries, parallel agents,
+n>1 choices, retokenized/error/id-less calls. The invariants always hold, merges are maximal, and
+``check_invariants`` catches any corruption."""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from dataclasses import replace
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tracegym.gateway.assembly import AssemblyOptions, assemble, check_invariants, exclusion_reason
+from tracegym.gateway.assembly_invariants import InvariantError
+from tracegym.types import CallRecord, ChoiceRecord
+
+AGENTS = ["a", "b", None]
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _record(i: int, prompt: list[int] | None, outputs: list[list[int] | None], **kw: Any) -> CallRecord:
+    choices = [
+        ChoiceRecord(
+            index=k,
+            output_ids=out,
+            output_logprobs=None if out is None or kw.get("no_logprobs") else [-(t % 97) / 10 for t in out],
+            finish_reason="stop",
+            message=None,
+        )
+        for k, out in enumerate(outputs)
+    ]
+    return CallRecord(
+        call_id=f"c{i}",
+        rollout_id="r",
+        operation="chat",
+        model="m",
+        upstream_kind="sglang",
+        request={},
+        choices=choices,
+        prompt_ids=prompt,
+        agent_name=kw.get("agent"),
+        weight_version=f"v{i // 3}",
+        retokenized=kw.get("retokenized", False),
+        start_time_ns=i * 10,
+        status=kw.get("status", "ok"),
+    )
+
+
+@st.composite
+def rollouts(draw: st.DrawFn, unique: bool = False, flags: bool = True) -> list[CallRecord]:
+    """Calls of one rollout. ``unique``: every output token id is new and outputs are non-empty (no
+    coincidental prefixes); else ids come from a tiny vocabulary, so accidental matches happen."""
+    fresh = itertools.count(1000)
+    small = st.lists(st.integers(0, 9), max_size=3)
+    fulls: list[list[int]] = []
+    prompts: list[list[int]] = []
+    calls: list[CallRecord] = []
+    for i in range(draw(st.integers(1, 9))):
+        kind = draw(st.sampled_from(["fresh", "extend", "extend", "extend", "rewrite", "near", "retry"]))
+        if kind == "extend" and fulls:
+            prompt = draw(st.sampled_from(fulls)) + draw(small)
+        elif kind == "rewrite" and fulls:
+            base = draw(st.sampled_from(fulls))
+            cut = draw(st.integers(0, len(base)))
+            prompt = [*base[:cut], draw(st.integers(10, 19)), *draw(small)]
+        elif kind == "near" and fulls:  # an earlier conversation with one token changed
+            prompt = list(draw(st.sampled_from(fulls))) + draw(small)
+            if prompt:
+                j = draw(st.integers(0, len(prompt) - 1))
+                prompt[j] = 20 + prompt[j] % 7
+        elif kind == "retry" and prompts:
+            prompt = list(draw(st.sampled_from(prompts)))
+        else:
+            prompt = draw(small)
+        outputs: list[list[int] | None] = []
+        for _ in range(draw(st.integers(1, 3))):
+            if unique:
+                outputs.append([next(fresh) for _ in range(draw(st.integers(1, 3)))])
+            else:
+                outputs.append(draw(st.lists(st.integers(0, 12), max_size=3)))
+        kw: dict[str, Any] = {"agent": draw(st.sampled_from(AGENTS))}
+        if flags:
+            kw["retokenized"] = draw(st.sampled_from([False, False, False, True]))
+            kw["status"] = draw(st.sampled_from(["ok", "ok", "ok", "error"]))
+            kw["no_logprobs"] = draw(st.sampled_from([False] * 5 + [True]))
+            if draw(st.sampled_from([False] * 7 + [True])):
+                outputs[0] = None
+        calls.append(_record(i, prompt, outputs, **kw))
+        prompts.append(prompt)
+        fulls += [prompt + out for out in outputs if out is not None]
+    return calls
+
+
+options = st.builds(
+    AssemblyOptions,
+    mode=st.sampled_from(["merge", "per_call"]),
+    agent_match=st.sampled_from([None, "a", "^$", ("b",), ("a", "b")]),
+    include_retokenized=st.booleans(),
+    include_errors=st.booleans(),
+    gamma=st.sampled_from([1.0, 0.9]),
+)
+
+
+def _choice(calls: list[CallRecord], call_id: str, k: int) -> tuple[CallRecord, ChoiceRecord]:
+    call = next(c for c in calls if c.call_id == call_id)
+    return call, next(ch for ch in call.choices if ch.index == k)
+
+
+@SETTINGS
+@given(rollouts(), options)
+def test_invariants_hold_and_sampled_tokens_are_the_concatenated_outputs(calls, opts):
+    traj = assemble(calls, rollout_id="r", reward=1.0, options=opts)
+    check_invariants(calls, traj)
+    for seq in traj.sequences:
+        pairs = [_choice(calls, c, k) for c, k in zip(seq.call_ids, seq.choice_indices, strict=True)]
+        assert [t for t, m in zip(seq.token_ids, seq.loss_mask, strict=True) if m] == [
+            t for _, ch in pairs for t in ch.output_ids
+        ]
+        assert len({c.agent_name for c, _ in pairs}) == 1
+        assert seq.retokenized == any(c.retokenized or ch.output_logprobs is None for c, ch in pairs)
+        assert 0 < seq.reward <= 1.0
+    trained = sum(len(s.call_ids) for s in traj.sequences)
+    assert trained + len(traj.excluded) == sum(len(c.choices) for c in calls)
+
+
+@SETTINGS
+@given(rollouts(unique=True))
+def test_merge_is_maximal_one_sequence_per_branch_end(calls):
+    """A trained choice ends a sequence exactly when no later call of its agent continues it."""
+    opts = AssemblyOptions()
+    traj = assemble(calls, rollout_id="r", options=opts)
+    check_invariants(calls, traj)
+    trained = [
+        (i, c, ch) for i, c in enumerate(calls) for ch in c.choices if not exclusion_reason(c, ch, opts)
+    ]
+
+    def continued(i: int, c: CallRecord, ch: ChoiceRecord) -> bool:
+        full = c.prompt_ids + ch.output_ids
+        return any(
+            j > i and d.agent_name == c.agent_name and d.prompt_ids[: len(full)] == full
+            for j, d, _ in trained
+        )
+
+    ends = [(c.call_id, ch.index) for i, c, ch in trained if not continued(i, c, ch)]
+    assert sorted((s.call_ids[-1], s.choice_indices[-1]) for s in traj.sequences) == sorted(ends)
+
+
+@SETTINGS
+@given(rollouts(), options)
+def test_per_call_mode_makes_one_sequence_per_trained_choice(calls, opts):
+    opts = AssemblyOptions(mode="per_call", include_retokenized=opts.include_retokenized)
+    traj = assemble(calls, rollout_id="r", options=opts)
+    check_invariants(calls, traj)
+    assert all(len(s.call_ids) == 1 for s in traj.sequences)
+    assert len(traj.sequences) == sum(
+        1 for c in calls for ch in c.choices if exclusion_reason(c, ch, opts) is None
+    )
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(st.lists(st.integers(0, 50), max_size=4), st.lists(st.integers(0, 50))), min_size=1)
+)
+def test_a_linear_conversation_is_one_sequence(turns):
+    """Each call's prompt = the previous prompt + reply + new (tool/user) tokens: one merged sequence."""
+    calls, prompt = [], [7]
+    for i, (new_tokens, out) in enumerate(turns):
+        prompt = prompt + new_tokens
+        calls.append(_record(i, prompt, [out]))
+        prompt = prompt + out
+    traj = assemble(calls, rollout_id="r")
+    check_invariants(calls, traj)
+    (seq,) = traj.sequences
+    assert seq.token_ids == prompt
+    assert [t for t, m in zip(seq.token_ids, seq.loss_mask, strict=True) if m] == [
+        t for _, o in turns for t in o
+    ]
+
+
+@SETTINGS
+@given(rollouts(flags=False), st.data())
+def test_check_invariants_catches_any_corruption(calls, data):
+    traj = assemble(calls, rollout_id="r")
+    seqs = [s for s in traj.sequences if s.token_ids]
+    if not seqs:
+        return
+    seq = data.draw(st.sampled_from(seqs))
+    i = data.draw(st.integers(0, len(seq.token_ids) - 1))
+    what = data.draw(st.sampled_from(["mask", "token", "logprob"]))
+    if what == "mask":
+        seq.loss_mask[i] = 1 - seq.loss_mask[i]
+    elif what == "token":
+        seq.token_ids[i] += 1
+    else:
+        seq.logprobs[i] = None if seq.loss_mask[i] else -0.25
+    try:
+        check_invariants(calls, traj)
+    except InvariantError:
+        return
+    raise AssertionError(f"corrupting {what} at {i} went unnoticed")
+
+
+def _as_arrays(calls: list[CallRecord]) -> list[CallRecord]:
+    out = []
+    for c in calls:
+        choices = [
+            ChoiceRecord(
+                ch.index,
+                None if ch.output_ids is None else array("i", ch.output_ids),
+                None if ch.output_logprobs is None else array("d", ch.output_logprobs),
+                ch.finish_reason,
+                ch.message,
+            )
+            for ch in c.choices
+        ]
+        prompt = None if c.prompt_ids is None else array("i", c.prompt_ids)
+        out.append(replace(c, prompt_ids=prompt, choices=choices))
+    return out
+
+
+@SETTINGS
+@given(rollouts(), options)
+def test_array_token_ids_assemble_exactly_like_lists(calls, opts):
+    as_lists = assemble(calls, rollout_id="r", reward=1.0, options=opts)
+    arrays = _as_arrays(calls)
+    as_arrays = assemble(arrays, rollout_id="r", reward=1.0, options=opts)
+    check_invariants(arrays, as_arrays)
+    assert as_arrays == as_lists
+    assert all(type(s.token_ids) is list for s in as_arrays.sequences)

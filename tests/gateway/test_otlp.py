@@ -1,0 +1,117 @@
+"""OTLP/HTTP ingest with the real ``opentelemetry-exporter-otlp-proto-http`` exporter against a live uvicorn
+server: spans of an already-instrumented agent land in the store, linked to rollouts."""
+
+from __future__ import annotations
+
+import gzip
+
+import httpx
+import pytest
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import Status, StatusCode
+
+from tests.gateway.test_store_helpers import make_app, serve
+from tracegym.gateway.store import Store
+from tracegym.gateway.store.codec import encode_ints
+
+
+@pytest.fixture
+def live(store_url: str):
+    store = Store.open(store_url)
+    with serve(make_app(store)) as url:
+        yield store, url
+    store.close()
+
+
+def _provider(url: str, *, resource: dict | None = None, headers: dict | None = None,
+              compression: Compression = Compression.NoCompression) -> TracerProvider:
+    tp = TracerProvider(resource=Resource.create({"service.name": "my-agent", **(resource or {})}),
+                        shutdown_on_exit=False)
+    exporter = OTLPSpanExporter(endpoint=f"{url}/v1/traces", headers=headers, compression=compression)
+    tp.add_span_processor(SimpleSpanProcessor(exporter))
+    return tp
+
+
+def test_real_exporter_spans_link_to_rollouts(live):
+    store, url = live
+    tp = _provider(url, headers={"X-Rollout-Id": "ro-header"})
+    tracer = tp.get_tracer("agent")
+    tool_attrs = {"query": "x", "hits": [1, 2], "tracegym.rollout_id": "ro-attr"}
+    with (
+        tracer.start_as_current_span("agent.run", attributes={"tracegym.rollout_id": "ro-attr"}) as parent,
+        tracer.start_as_current_span("tool.search", attributes=tool_attrs) as child,
+    ):
+        child.add_event("cache-miss", {"key": "k"})
+        child.set_status(Status(StatusCode.ERROR, "timeout"))
+    with tracer.start_as_current_span("unlabelled"):
+        pass
+    tp.shutdown()
+
+    spans = store.list_spans("ro-attr")
+    assert [s["name"] for s in spans] == ["agent.run", "tool.search"]
+    run, tool = spans
+    assert tool["parent_span_id"] == format(parent.get_span_context().span_id, "016x")
+    assert tool["trace_id"] == run["trace_id"] == format(parent.get_span_context().trace_id, "032x")
+    assert tool["source"] == "otlp" and tool["kind"] == "internal"
+    assert tool["status"] == "error" and tool["status_message"] == "timeout"
+    assert tool["attributes"]["hits"] == [1, 2] and tool["attributes"]["otel.scope.name"] == "agent"
+    assert tool["events"][0]["name"] == "cache-miss" and tool["events"][0]["attributes"] == {"key": "k"}
+    assert tool["resource"]["service.name"] == "my-agent"
+    assert tool["choices"] is None and tool["prompt_ids"] is None
+    header = store.list_spans("ro-header")
+    assert [s["name"] for s in header] == ["unlabelled"]  # no attribute: the header links it
+    assert store.get_rollout("ro-attr")["status"] == "adhoc"
+
+    r = httpx.get(f"{url}/api/rollouts/ro-attr/spans")
+    assert r.status_code == 200 and [s["name"] for s in r.json()["spans"]] == ["agent.run", "tool.search"]
+
+
+def test_resource_attribute_and_gzip_and_token_arrays(live):
+    store, url = live
+    tp = _provider(url, resource={"tracegym.rollout_id": "ro-res"}, compression=Compression.Gzip)
+    tracer = tp.get_tracer("agent")
+    with tracer.start_as_current_span("llm", attributes={
+        "tracegym.prompt_token_ids": [5, 6, 7],  # plain arrays from a foreign instrumentation
+        "tracegym.output_token_ids": encode_ints([8, 9]),  # or tracegym's compact bytes
+        "blob": b"\x00\x01",
+    }):
+        pass
+    tp.shutdown()
+    [span] = store.list_spans("ro-res")
+    assert span["prompt_ids"] == [5, 6, 7]
+    assert span["attributes"]["blob"] == "AAE="  # other bytes are kept as base64 text
+
+
+def test_otlp_json_and_bad_input(live):
+    store, url = live
+    body = {"resourceSpans": [{"resource": {"attributes": [
+        {"key": "service.name", "value": {"stringValue": "js-agent"}}]},
+        "scopeSpans": [{"scope": {"name": "s"}, "spans": [{
+            "traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174",
+            "name": "json-span", "kind": 3, "startTimeUnixNano": "1700000000000000000",
+            "endTimeUnixNano": "1700000000500000000",
+            "attributes": [{"key": "tracegym.rollout_id", "value": {"stringValue": "ro-json"}},
+                           {"key": "n", "value": {"intValue": "3"}}],
+            "status": {"code": 1}}]}]}]}
+    r = httpx.post(f"{url}/v1/traces", json=body)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/traces", json=body)  # a retry stores nothing new
+    assert r.status_code == 200
+    [span] = store.list_spans("ro-json")
+    assert span["kind"] == "client" and span["status"] == "ok" and span["attributes"]["n"] == 3
+    assert span["trace_id"] == "5b8efff798038103d269b633813fc60c" and span["end_time_ns"] == 1700000000500000000
+
+    bad = httpx.post(f"{url}/v1/traces", content=b"\xff\xfenot protobuf",
+                     headers={"content-type": "application/x-protobuf"})
+    assert bad.status_code == 400 and "protobuf" in bad.json()["error"]["message"]
+    bad = httpx.post(f"{url}/v1/traces", content=b"{", headers={"content-type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    bad = httpx.post(f"{url}/v1/traces", content=b"x", headers={"content-type": "text/plain"})
+    assert bad.status_code == 415
+    bad = httpx.post(f"{url}/v1/traces", content=gzip.compress(b"x")[:5],
+                     headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"})
+    assert bad.status_code == 400

@@ -1,0 +1,171 @@
+"""The trace store against SQLite and a real PostgreSQL: migrations, span round trips, rollout queries,
+idempotent events, weight versions and metrics."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from tests.gateway.test_store_helpers import make_record
+from tracegym.gateway.spans import call_record_to_row
+from tracegym.gateway.store import Store
+from tracegym.gateway.store.codec import decode, encode_floats, encode_ints
+from tracegym.gateway.store.migrate import head_revision
+from tracegym.gateway.store.migrate import main as db_main
+from tracegym.gateway.store.schema import metadata
+
+
+@pytest.fixture
+def store(store_url: str):
+    s = Store.open(store_url)
+    yield s
+    s.close()
+
+
+def test_codec_is_bit_exact():
+    ids = [0, 1, 49151, 2**31 - 1]
+    assert decode(encode_ints(ids)) == ids
+    big = [2**40, -3]
+    assert decode(encode_ints(big)) == big and encode_ints(big)[:1] == b"q"
+    f32 = [-0.5, -1.25, float("-inf")]
+    assert encode_floats(f32)[:1] == b"f" and decode(encode_floats(f32)) == f32
+    f64 = [-0.1234567891234, -1e-300]
+    blob = encode_floats(f64)
+    assert blob[:1] == b"d" and len(blob) == 1 + 8 * len(f64)
+    assert [x.hex() for x in decode(blob)] == [x.hex() for x in f64]
+    assert decode(None) is None and decode(encode_ints([])) == []
+    with pytest.raises(ValueError, match="tag"):
+        decode(b"z\x00")
+
+
+def test_migrations_match_schema_and_cli(store_url: str, capsys):
+    assert db_main(argparse.Namespace(action="upgrade", store=store_url)) == 0
+    assert capsys.readouterr().out.strip() == head_revision()
+    assert db_main(argparse.Namespace(action="current", store=store_url)) == 0
+    assert capsys.readouterr().out.strip() == head_revision()
+    s = Store.open(store_url)  # upgrading an up-to-date store is a no-op
+    try:
+        with s.db.engine.connect() as conn:
+            diffs = compare_metadata(MigrationContext.configure(conn), metadata)
+        assert diffs == [], diffs
+        if s.dialect == "sqlite":
+            with s.db.engine.connect() as conn:
+                assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    finally:
+        s.close()
+
+
+def test_call_records_round_trip_exactly(store: Store):
+    recs = [
+        make_record(0),
+        make_record(1, n=3),  # n > 1
+        make_record(2, status="error", error="client disconnected", first_token_time_ns=None),
+        make_record(3, prompt_ids=None, retokenized=True, upstream_kind="litellm", weight_version=None,
+                    task_id=None, agent_name=None, drift="none", prefix_len=0),
+    ]
+    recs[3].choices[0].output_ids = None
+    recs[3].choices[0].output_logprobs = None
+    recs[3].choices[0].weight_versions = []
+    assert store.insert_call_records(list(reversed(recs))) == 4
+    got = store.list_call_records("ro-1")
+    assert [g.to_dict() for g in got] == [r.to_dict() for r in recs]
+    lp = [x.hex() for c in got[1].choices for x in c.output_logprobs]
+    assert lp == [x.hex() for c in recs[1].choices for x in c.output_logprobs]
+
+
+def test_spans_listing_and_adhoc_rollout(store: Store):
+    rec = make_record(0, rollout_id="adhoc-x")
+    row = call_record_to_row(rec, trace_id="a" * 32, span_id="b" * 16)
+    assert store.insert_spans([row]) == 1
+    assert store.insert_spans([row]) == 0  # a re-sent span is stored once
+    spans = store.list_spans("adhoc-x")
+    assert len(spans) == 1
+    s = spans[0]
+    assert s["name"] == "chat tiny-random" and s["status"] == "ok" and s["source"] == "gateway"
+    assert s["prompt_ids"] == rec.prompt_ids
+    assert s["choices"][0]["output_ids"] == rec.choices[0].output_ids
+    assert s["attributes"]["tracegym.request"]["messages"][0]["content"] == "q0 ✓"  # structured JSON
+    assert s["attributes"]["gen_ai.usage.input_tokens"] == 20
+    ro = store.get_rollout("adhoc-x")
+    assert ro["status"] == "adhoc" and ro["task_id"] == "task-1" and ro["weight_version"] == "v2"
+    assert store.list_spans("nope") == [] and store.get_rollout("nope") is None
+    with pytest.raises(ValueError, match="lacks"):
+        store.insert_spans([{"trace_id": "a" * 32}])
+
+
+def test_list_rollouts_filters_and_pagination(store: Store):
+    out = store.enqueue_tasks([{"task_id": f"t{i}", "input": i} for i in range(5)], group_size=3)
+    assert len(out) == 5 and all(len(o["rollout_ids"]) == 3 for o in out)
+    seen, cursor = [], None
+    while True:
+        page, cursor = store.list_rollouts(limit=4, cursor=cursor)
+        seen += page
+        if cursor is None:
+            break
+    assert len(seen) == 15 and len({r["rollout_id"] for r in seen}) == 15
+    created = [r["created_at"] for r in seen]
+    assert created == sorted(created, reverse=True)
+    grp = store.list_rollouts(group_id=out[2]["group_id"])[0]
+    assert {r["rollout_id"] for r in grp} == set(out[2]["rollout_ids"])
+    assert all(r["input"] == 2 and r["task_id"] == "t2" for r in grp)
+    assert len(store.list_rollouts(task_id="t4")[0]) == 3
+    assert len(store.list_rollouts(status="queued", limit=100)[0]) == 15
+    assert store.list_rollouts(status="running")[0] == []
+    assert store.list_rollouts(since="2999-01-01T00:00:00Z")[0] == []
+    assert len(store.list_rollouts(until="2999-01-01T00:00:00Z", limit=100)[0]) == 15
+    for bad in ({"status": "bogus"}, {"cursor": "!!"}, {"since": "yesterday"}, {"limit": 0}):
+        with pytest.raises(ValueError):
+            store.list_rollouts(**bad)
+
+
+def test_events_are_idempotent_and_set_reward(store: Store):
+    e1, dup = store.add_event("r-new", kind="reward", value=0.5, idempotency_key="k1")
+    assert not dup and store.get_rollout("r-new")["status"] == "adhoc"
+    assert store.add_event("r-new", kind="reward", value=0.5, idempotency_key="k1") == (e1, True)
+    store.add_event("r-new", kind="reward", value=0.25, name="format", idempotency_key="k2", call_index=0)
+    store.add_event("r-new", kind="event", name="tool", value={"ok": True}, attributes={"a": 1},
+                    idempotency_key="k3")
+    assert store.get_rollout("r-new")["reward"] == 0.5  # named rewards do not set the rollout's reward
+    store.add_event("r-new", kind="reward", value=0.75, idempotency_key="k4")
+    assert store.get_rollout("r-new")["reward"] == 0.75  # the last unnamed reward
+    rewards = store.list_events("r-new", "reward")
+    assert [(r["value"], r["name"]) for r in rewards] == [(0.5, None), (0.25, "format"), (0.75, None)]
+    assert store.list_events("r-new", "event")[0]["value"] == {"ok": True}
+    assert len(store.list_events("r-new")) == 4
+    store.complete("r-new", reward=1.0)
+    store.add_event("r-new", kind="reward", value=0.1, idempotency_key="k5")
+    assert store.get_rollout("r-new")["reward"] == 1.0  # complete's reward wins
+    for bad in ({"kind": "bogus", "value": 1}, {"kind": "reward", "value": "x"},
+                {"kind": "reward", "value": math.nan}):
+        with pytest.raises(ValueError):
+            store.add_event("r-new", idempotency_key="kx", **bad)
+
+
+def test_weight_versions_and_metrics(store: Store):
+    store.add_weight_version("v0")
+    wv = store.add_weight_version("v1", path="/ckpt/1", step=1, swap_seconds=0.5)
+    assert wv["version"] == "v1" and wv["path"] == "/ckpt/1"
+    store.add_weight_version("v1", swap_seconds=0.7)  # upsert keeps the known fields
+    versions = store.list_weight_versions()
+    assert [v["version"] for v in versions] == ["v0", "v1"]
+    assert versions[1]["step"] == 1 and versions[1]["swap_seconds"] == 0.7
+    store.add_metrics("run-a", 2, {"loss": 0.5})
+    store.add_metrics("run-a", 1, {"loss": 0.9, "reward/mean": 0.1})
+    store.add_metrics("run-a", 2, {"loss": 0.4})  # re-post of a step replaces it
+    store.add_metrics("run-b", 1, {"loss": 1.0})
+    ms = store.list_metrics("run-a")
+    assert [(m["step"], m["metrics"]["loss"]) for m in ms] == [(1, 0.9), (2, 0.4)]
+    with pytest.raises(ValueError):
+        store.add_metrics("run-a", "x", {})  # type: ignore[arg-type]
+
+
+def test_bad_store_urls():
+    with pytest.raises(ValueError, match="file database"):
+        Store.open("sqlite://")
+    with pytest.raises((ValueError, sa.exc.ArgumentError, sa.exc.NoSuchModuleError)):
+        Store.open("mysql://x/y")

@@ -1,0 +1,110 @@
+"""TraceRecorder: CallRecord -> OpenTelemetry span -> exporter -> store, exactly; bounded queue with counted
+drops; flush on shutdown."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tests.gateway.test_store_helpers import make_record
+from tracegym.gateway.store import Store
+from tracegym.gateway.tracing import TraceRecorder
+
+
+@pytest.fixture
+def store(store_url: str):
+    s = Store.open(store_url)
+    yield s
+    s.close()
+
+
+def _metric(registry: CollectorRegistry, line_start: str) -> float:
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_recorded_calls_reach_the_store_exactly(store: Store):
+    registry = CollectorRegistry()
+    rec = TraceRecorder(store, registry=registry, schedule_delay_s=0.05)
+    calls = [make_record(i, rollout_id="ro-t", n=1 + i % 3) for i in range(30)]
+    calls.append(make_record(30, rollout_id="ro-t", status="error", error="upstream reset"))
+    for c in calls:
+        rec.record(c)
+    rec.shutdown()
+    got = store.list_call_records("ro-t")
+    assert [g.to_dict() for g in got] == [c.to_dict() for c in calls]
+    spans = store.list_spans("ro-t")
+    s0, last = spans[0], spans[-1]
+    assert s0["name"] == "chat tiny-random" and s0["kind"] == "client" and s0["status"] == "ok"
+    a = s0["attributes"]
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "tiny-random"
+    assert a["gen_ai.request.temperature"] == 0.7 and a["gen_ai.request.max_tokens"] == 16
+    assert a["gen_ai.response.id"] == calls[0].call_id and a["gen_ai.response.finish_reasons"] == ["stop"]
+    assert a["gen_ai.usage.output_tokens"] == 7 and a["tracegym.drift"] == "clean"
+    assert a["tracegym.time_to_first_token_s"] == pytest.approx(1e-4)
+    assert s0["start_time_ns"] == calls[0].start_time_ns and s0["end_time_ns"] == calls[0].end_time_ns
+    assert s0["resource"]["service.name"] == "tracegym-gateway"
+    assert last["status"] == "error" and last["status_message"] == "upstream reset"
+    assert _metric(registry, "tracegym_spans_exported_total") == 31
+    assert _metric(registry, 'tracegym_spans_dropped_total{reason="queue_full"}') == 0
+
+
+def test_force_flush_writes_what_was_queued(store: Store):
+    rec = TraceRecorder(store, schedule_delay_s=60)  # the worker would wait a minute
+    rec.record(make_record(0, rollout_id="ro-f"))
+    assert rec.force_flush()
+    assert len(store.list_call_records("ro-f")) == 1
+    rec.shutdown()
+    rec.shutdown()  # idempotent
+
+
+class GatedStore:
+    """The real store behind a gate, to hold the export thread while the queue fills."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.gate = threading.Event()
+
+    def insert_spans(self, rows: list[dict]) -> int:
+        self.gate.wait(30)
+        return self.store.insert_spans(rows)
+
+
+def test_full_queue_drops_are_counted_and_logged(store: Store, caplog):
+    registry = CollectorRegistry()
+    gated = GatedStore(store)
+    rec = TraceRecorder(gated, registry=registry, max_queue_size=10, max_batch_size=5, schedule_delay_s=0.01)
+    with caplog.at_level(logging.WARNING, logger="tracegym.gateway.tracing"):
+        for i in range(60):
+            rec.record(make_record(i, rollout_id="ro-d"))
+    gated.gate.set()
+    rec.shutdown()
+    stored = len(store.list_call_records("ro-d"))
+    dropped = _metric(registry, 'tracegym_spans_dropped_total{reason="queue_full"}')
+    assert dropped > 0 and stored + dropped == 60
+    assert _metric(registry, "tracegym_spans_exported_total") == stored
+    assert any("dropped" in r.message for r in caplog.records)
+
+
+class FailingStore:
+    def insert_spans(self, rows: list[dict]) -> int:
+        raise RuntimeError("database is gone")
+
+
+def test_store_failures_are_counted_not_silent(caplog):
+    registry = CollectorRegistry()
+    rec = TraceRecorder(FailingStore(), registry=registry)
+    rec.exporter.retries = 1
+    for i in range(3):
+        rec.record(make_record(i))
+    with caplog.at_level(logging.ERROR, logger="tracegym.gateway.tracing"):
+        rec.shutdown()
+    assert _metric(registry, 'tracegym_spans_dropped_total{reason="export_error"}') == 3
+    assert any("dropping 3 spans" in r.message for r in caplog.records)
+    rec.record(make_record(9))  # after shutdown: counted too
+    assert _metric(registry, 'tracegym_spans_dropped_total{reason="shutdown"}') == 1

@@ -1,0 +1,237 @@
+"""The training recipe: one pydantic model, loaded from YAML and validated with clear messages.
+
+The README's recipe reference is generated from these fields (``python -m tracegym.trainer.config``),
+so the docstrings here are the documentation.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Section):
+    path: Path = Field(
+        description="JSONL of tasks: one JSON object per line, passed to the agent as its task input."
+    )
+    eval_path: Path | None = Field(
+        None, description="Held-out JSONL; if unset, `eval_size` tasks are split off `path`."
+    )
+    eval_size: int = Field(
+        64, ge=0, description="Tasks held out of `path` for evaluation when `eval_path` is unset."
+    )
+    shuffle_seed: int = Field(
+        0, description="Seed of the training-order shuffle (and of the held-out split)."
+    )
+
+
+class AgentConfig(_Section):
+    target: str = Field(
+        description="The agent, as `module:function` (importable from the recipe's directory)."
+    )
+    concurrency: int = Field(8, ge=1, description="Rollouts run at once by the runner.")
+    lease_seconds: float = Field(120.0, gt=0, description="Lease of a claimed rollout; heartbeats renew it.")
+    external: bool = Field(
+        False,
+        description="Runners run elsewhere (e.g. the compose `runner` service); the trainer only enqueues.",
+    )
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = Field(
+        "grpo", description="Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp_baseline."
+    )
+    drop_zero_signal_groups: bool = Field(
+        True, description="Skip groups whose rewards are all equal (DAPO dynamic sampling)."
+    )
+    loss: str = Field("ppo_clip", description="Policy loss: ppo_clip | gspo | cispo.")
+    clip_low: float = Field(0.2, ge=0, description="PPO lower clip (1 - clip_low).")
+    clip_high: float = Field(
+        0.2, ge=0, description="PPO upper clip (1 + clip_high); 0.28 is DAPO's clip-higher."
+    )
+    agg: str = Field(
+        "token-mean", description="Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean."
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the KL penalty to the frozen reference model (0 = no reference model).",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    cispo_clip_low: float = Field(1.0, ge=0, description="CISPO: lower bound of the clipped IS weight is 1 - this (1.0 = none).")
+    cispo_clip_high: float = Field(0.28, ge=0, description="CISPO: upper bound of the clipped IS weight is 1 + this.")
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling cap against the engine's logprobs (None = off).",
+    )
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(0, ge=0, description="Linear LR warmup steps.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    micro_batch_tokens: int = Field(
+        4096, ge=64, description="Token budget of one forward/backward micro-batch."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="Training compute dtype (bf16 autocast; master weights fp32)."
+    )
+
+
+class UpstreamConfig(_Section):
+    url: str | None = Field(None, description="An SGLang server URL; unset = start the embedded engine.")
+    kind: Literal["sglang", "openai", "litellm"] = "sglang"
+    engine_dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="Embedded engine compute dtype."
+    )
+    max_batch_size: int = Field(32, ge=1, description="Embedded engine: requests decoded together.")
+
+
+class TrainRecipe(_Section):
+    """A `tracegym train` recipe. Relative paths are relative to the recipe file."""
+
+    model: str = Field(
+        description="Model name (`smollm2-135m`, `tiny-random`), a local directory, or a hub id."
+    )
+    data: DataConfig
+    agent: AgentConfig
+    group_size: int = Field(4, ge=2, description="Rollouts per task (the GRPO group).")
+    batch_size: int = Field(8, ge=1, description="Tasks per step (so batch_size × group_size rollouts).")
+    steps: int = Field(60, ge=1, description="Training steps.")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate then train; async: runners never stop."
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="async: accept trajectories at most this many weight versions old."
+    )
+    group_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Wait at most this long for a step's groups; late rollouts are dropped and counted.",
+    )
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    gateway_url: str | None = Field(
+        None,
+        description="Use this running gateway; unset = start one (and the embedded engine unless `upstream.url` is set).",
+    )
+    store: str = Field(
+        "sqlite:///{run_dir}/tracegym.db", description="Trace store URL; `{run_dir}` is substituted."
+    )
+    workers: int = Field(1, ge=1, description="Trainer workers (Ray actors, one FSDP2 shard each).")
+    use_ray: bool = Field(False, description="Run workers as Ray actors even with workers=1.")
+    eval_samples: int = Field(2, ge=1, description="Sampled rollouts per held-out task at each evaluation.")
+    eval_interval: int = Field(
+        20, ge=0, description="Evaluate on the held-out split every N steps (0 = only before and after)."
+    )
+    run_dir: Path = Field(
+        Path("runs/{name}"), description="Where checkpoints, weights, metrics and plots go."
+    )
+    name: str = Field("run", description="Run name.")
+    checkpoint_interval: int = Field(
+        0, ge=0, description="Save a resumable checkpoint every N steps (0 = only at the end)."
+    )
+    seed: int = 0
+    tensorboard: bool = Field(
+        False, description="Also write TensorBoard scalars to run_dir/tb (needs `tensorboard`)."
+    )
+    wandb_project: str | None = Field(None, description="Also log to this W&B project (needs `wandb`).")
+
+    @field_validator("agent")
+    @classmethod
+    def _target_shape(cls, v: AgentConfig) -> AgentConfig:
+        if ":" not in v.target:
+            raise ValueError(f"agent.target must be 'module:function', got {v.target!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainRecipe:
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size must be >= 2: every advantage estimator here ({self.algorithm.advantage!r} included) "
+                f"compares rollouts of the same task, got {self.group_size}"
+            )
+        return self
+
+    def resolve_paths(self, base: Path) -> TrainRecipe:
+        """Make relative paths absolute against ``base`` and substitute ``{name}``/``{run_dir}``."""
+        run_dir = Path(str(self.run_dir).format(name=self.name))
+        run_dir = run_dir if run_dir.is_absolute() else (base / run_dir)
+        data = self.data.model_copy(
+            update={
+                "path": self.data.path if self.data.path.is_absolute() else base / self.data.path,
+                "eval_path": None
+                if self.data.eval_path is None
+                else (
+                    self.data.eval_path if self.data.eval_path.is_absolute() else base / self.data.eval_path
+                ),
+            }
+        )
+        return self.model_copy(
+            update={
+                "run_dir": run_dir.resolve(),
+                "data": data,
+                "store": self.store.format(run_dir=run_dir.resolve()),
+            }
+        )
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be loaded; the message says which field and why."""
+
+
+def load_recipe(path: str | Path) -> TrainRecipe:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{p}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{p}: a recipe is a mapping of fields, got {type(raw).__name__}")
+    try:
+        recipe = TrainRecipe.model_validate(raw)
+    except ValidationError as e:
+        lines = [f"{p}: invalid recipe:"]
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise RecipeError("\n".join(lines)) from None
+    return recipe.resolve_paths(p.parent.resolve())
+
+
+def reference_markdown() -> str:
+    """The recipe reference, generated from the fields above (README embeds this)."""
+    out = ["| field | type | default | description |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = "required" if f.is_required() else repr(f.default)
+            tname = getattr(ann, "__name__", str(ann)).replace("typing.", "").replace("|", "\\|")
+            desc = (f.description or "").replace("|", "\\|")
+            out.append(f"| `{prefix}{name}` | {tname} | `{default}` | {desc} |")
+
+    walk(TrainRecipe, "")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(reference_markdown() + "\n")

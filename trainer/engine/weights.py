@@ -1,0 +1,72 @@
+"""Weight updates from disk: read and validate a checkpoint fully before touching the served model, so a
+bad checkpoint leaves the old weights in place (SGLang's rollback semantics)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+
+class WeightLoadError(ValueError):
+    """The checkpoint cannot replace the served weights; the message says why."""
+
+
+def tied_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that share storage with an earlier parameter (e.g. a tied ``lm_head.weight``)."""
+    seen: dict[int, str] = {}
+    tied: set[str] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        ptr = p.data_ptr()
+        if ptr in seen:
+            tied.add(name)
+        else:
+            seen[ptr] = name
+    return tied
+
+
+def read_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``path`` (a directory or one file), checked against
+    ``model``: same names (tied copies may be absent), same shapes, cast to the model's dtypes."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise WeightLoadError(f"no safetensors checkpoint at {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f), device="cpu"))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise WeightLoadError(f"cannot read {f}: {e}") from e
+    return validate_state(state, model)
+
+
+def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = tied_parameter_names(model)
+    missing = sorted(set(params) - set(state) - tied)
+    unexpected = sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise WeightLoadError(
+            f"checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        target = params[name]
+        if tuple(t.shape) != tuple(target.shape):
+            raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != served {tuple(target.shape)}")
+        if not torch.isfinite(t).all():
+            raise WeightLoadError(f"{name}: contains NaN or inf")
+        out[name] = t.to(dtype=target.dtype)
+    return out
+
+
+@torch.no_grad()
+def apply_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a validated state into ``model`` in place (cannot fail after ``validate_state``)."""
+    params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
+    for name, t in state.items():
+        params[name].copy_(t.to(params[name].device))

@@ -1,0 +1,321 @@
+"""``tracegym train RECIPE.yaml``: the whole loop.
+
+sync:  enqueue a batch of groups → runners execute → wait for complete groups (timeout; late or failed
+       rollouts dropped and counted) → fetch trajectories → advantages → update → swap weights.
+async: runners never stop; the queue is kept ``2 × batch_size`` groups deep and each step trains on the
+       oldest finished groups whose weight version is within ``max_staleness`` of the current one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tracegym.trainer.config import RecipeError, TrainRecipe, load_recipe
+from tracegym.trainer.control import ControlClient, Group
+from tracegym.trainer.infra import Infra, start_infra
+from tracegym.trainer.progress import MetricSinks, Progress, plot_rewards, read_metrics, summary_table
+
+
+def load_tasks(path: Path) -> list[dict[str, Any]]:
+    """JSONL → tasks ``{"task_id"?, "input"}``; a line without ``input`` is itself the input."""
+    if not path.is_file():
+        raise RecipeError(f"dataset not found: {path}")
+    tasks = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"{path}:{n}: not JSON: {e}") from None
+        tasks.append(obj if isinstance(obj, dict) and "input" in obj else {"input": obj})
+    if not tasks:
+        raise RecipeError(f"dataset is empty: {path}")
+    return tasks
+
+
+@dataclass
+class LoopState:
+    """What a checkpoint must restore besides the model and optimizer."""
+
+    step: int = 0
+    data_pos: int = 0
+    weight_version: int = 0
+    rng_state: Any = None
+    eval_history: list[dict[str, float]] = field(default_factory=list)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.__dict__, default=list))
+
+    @classmethod
+    def load(cls, path: Path) -> LoopState:
+        d = json.loads(path.read_text())
+        st = cls(**d)
+        if st.rng_state is not None:  # json turns the tuple state into lists
+            v, internal, g = st.rng_state
+            st.rng_state = (v, tuple(internal), g)
+        return st
+
+
+class Trainer:
+    def __init__(self, recipe: TrainRecipe, infra: Infra, model_dir: Path, *, resume: bool) -> None:
+        self.r = recipe
+        self.infra = infra
+        self.model_dir = model_dir
+        self.ctl = ControlClient(infra.gateway_url)
+        self.train_tasks = load_tasks(recipe.data.path)
+        if recipe.data.eval_path:
+            self.eval_tasks = load_tasks(recipe.data.eval_path)
+        else:
+            rng = random.Random(recipe.data.shuffle_seed)
+            rng.shuffle(self.train_tasks)
+            n = min(recipe.data.eval_size, len(self.train_tasks) // 5)
+            self.eval_tasks, self.train_tasks = self.train_tasks[:n], self.train_tasks[n:]
+        self.state = LoopState()
+        self.rng = random.Random(recipe.data.shuffle_seed)
+        self.order = list(range(len(self.train_tasks)))
+        self.rng.shuffle(self.order)
+        self.ckpt_dir = recipe.run_dir / "checkpoint"
+        if resume:
+            self._restore()
+        self.sinks = MetricSinks(
+            recipe.run_dir,
+            to_store=lambda step, m: self.ctl.add_metrics(recipe.name, step, m),
+            tensorboard=recipe.tensorboard,
+            wandb_project=recipe.wandb_project,
+            run_name=recipe.name,
+        )
+        self.progress = Progress(recipe.steps, start_step=self.state.step)
+        from tracegym.trainer.workers import WorkerGroup  # torch/ray imported only here
+
+        self.workers = WorkerGroup(
+            model_dir,
+            num_workers=recipe.workers,
+            train_cfg=_train_cfg(recipe),
+            use_ray=recipe.use_ray or recipe.workers > 1,
+        )
+        if resume and (self.ckpt_dir / "loop.json").is_file():
+            self.workers.load_checkpoint(self.ckpt_dir)
+            if self.state.weight_version:
+                self._swap_to_current()
+
+    # --- data -------------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        p = self.ckpt_dir / "loop.json"
+        if not p.is_file():
+            raise RecipeError(f"--resume: no checkpoint in {self.ckpt_dir}")
+        self.state = LoopState.load(p)
+        if self.state.rng_state is not None:
+            self.rng.setstate(self.state.rng_state)
+
+    def next_tasks(self, n: int) -> list[dict[str, Any]]:
+        out = []
+        for _ in range(n):
+            if self.state.data_pos >= len(self.order):  # new epoch, new order
+                self.state.data_pos = 0
+                self.rng.shuffle(self.order)
+            out.append(self.train_tasks[self.order[self.state.data_pos]])
+            self.state.data_pos += 1
+        return out
+
+    # --- one step ---------------------------------------------------------------------------------
+    def _gen_status(self, groups: list[Group]) -> None:
+        self.infra.check_alive()
+        total = sum(len(g.rollout_ids) for g in groups)
+        done = sum(1 for g in groups for s in g.statuses.values() if s in ("completed", "failed"))
+        self.progress.status(f"step {self.state.step + 1}/{self.r.steps} | generating {done}/{total}")
+
+    def collect_sync(self) -> tuple[list[Group], dict[str, float]]:
+        groups = self.ctl.enqueue(
+            self.next_tasks(self.r.batch_size), group_size=self.r.group_size, split="train"
+        )
+        t0 = time.monotonic()
+        self.ctl.wait(groups, timeout=self.r.group_timeout_s, on_poll=self._gen_status)
+        return groups, {"gen_s": time.monotonic() - t0}
+
+    def run_step(self, groups: list[Group], info: dict[str, float]) -> dict[str, float]:
+        from tracegym.trainer.step_batch import build_train_batch
+
+        ids = [rid for g in groups for rid, s in g.statuses.items() if s == "completed"]
+        trajs = {t.rollout_id: t for t in self.ctl.trajectories(ids)}
+        batch, stats = build_train_batch(
+            [(g.group_id, [trajs[r] for r in g.rollout_ids if r in trajs]) for g in groups],
+            advantage=self.r.algorithm.advantage,
+            drop_zero_signal=self.r.algorithm.drop_zero_signal_groups,
+        )
+        metrics: dict[str, float] = {**info, **stats}
+        metrics["dropped_rollouts"] = float(sum(len(g.rollout_ids) for g in groups) - len(trajs))
+        if batch is not None:
+            t0 = time.monotonic()
+            metrics.update(self.workers.train_step(batch))
+            metrics["train_s"] = time.monotonic() - t0
+            self.state.weight_version += 1
+            metrics["swap_s"] = self._swap_to_current()
+        self.state.step += 1
+        return metrics
+
+    def _swap_to_current(self) -> float:
+        """Write the weights and load them into the upstream as the current version; returns seconds."""
+        t0 = time.monotonic()
+        version = str(self.state.weight_version)
+        out = self.workers.save_weights(self.r.run_dir / "weights" / f"v{version}")
+        r = httpx.post(
+            f"{self.infra.gateway_url}/api/weights/update",
+            json={"model_path": str(out), "weight_version": version},
+            timeout=600,
+        )
+        if r.status_code >= 400 or not r.json().get("success", False):
+            raise RuntimeError(f"weight swap to {out} failed: {r.status_code} {r.text[:500]}")
+        _prune_weights(self.r.run_dir / "weights", keep=2)
+        return time.monotonic() - t0
+
+    # --- evaluation ---------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        t0 = time.monotonic()
+        groups = self.ctl.enqueue(self.eval_tasks, group_size=self.r.eval_samples, split="eval")
+        self.ctl.wait(groups, timeout=self.r.group_timeout_s * 2, on_poll=self._gen_status)
+        rewards = [v if v is not None else 0.0 for v in self.ctl.rollout_rewards(groups).values()]
+        n = sum(len(g.rollout_ids) for g in groups)
+        m = {
+            "reward_mean": sum(rewards) / max(1, len(rewards)),
+            "pass_rate": sum(1 for v in rewards if v > 0) / max(1, len(rewards)),
+            "completed": float(len(rewards)),
+            "failed": float(n - len(rewards)),
+            "eval_s": time.monotonic() - t0,
+        }
+        self.sinks.log(self.state.step, m, kind="eval")
+        self.progress.message(
+            f"eval @ step {self.state.step}: reward {m['reward_mean']:.3f} pass {m['pass_rate']:.2f} "
+            f"({len(rewards)}/{n} rollouts, {m['eval_s']:.0f}s)"
+        )
+        self.state.eval_history.append({"step": self.state.step, **m})
+        return m
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.workers.save_checkpoint(self.ckpt_dir)
+        self.state.rng_state = self.rng.getstate()
+        self.state.save(self.ckpt_dir / "loop.json")
+
+    def run(self) -> dict[str, Any]:
+        t_start = time.monotonic()
+        if self.state.step == 0:
+            self.evaluate()
+        pending: list[Group] = []
+        while self.state.step < self.r.steps:
+            if self.r.mode == "sync":
+                groups, info = self.collect_sync()
+            else:
+                groups, info, pending = self.collect_async(pending)
+            metrics = self.run_step(groups, info)
+            self.sinks.log(self.state.step, metrics)
+            self.progress.step(self.state.step, metrics)
+            if (
+                self.r.eval_interval
+                and self.state.step % self.r.eval_interval == 0
+                and self.state.step < self.r.steps
+            ):
+                self.evaluate()
+            if self.r.checkpoint_interval and self.state.step % self.r.checkpoint_interval == 0:
+                self.checkpoint()
+        final = self.evaluate()
+        self.checkpoint()
+        return self.finish(final, time.monotonic() - t_start)
+
+    def collect_async(self, pending: list[Group]) -> tuple[list[Group], dict[str, float], list[Group]]:
+        want = 2 * self.r.batch_size
+        if len(pending) < want:
+            pending += self.ctl.enqueue(
+                self.next_tasks(want - len(pending)), group_size=self.r.group_size, split="train"
+            )
+        t0 = time.monotonic()
+        deadline = t0 + self.r.group_timeout_s
+        while True:
+            self.ctl.refresh(pending)
+            self._gen_status(pending)
+            done = [g for g in pending if g.done]
+            if len(done) >= self.r.batch_size or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        take = done[: self.r.batch_size]
+        rest = [g for g in pending if g not in take]
+        fresh, stale = self._split_stale(take)
+        return fresh, {"gen_s": time.monotonic() - t0, "stale_groups": float(len(stale))}, rest
+
+    def _split_stale(self, groups: list[Group]) -> tuple[list[Group], list[Group]]:
+        """Groups whose oldest weight version is within ``max_staleness`` of the current one."""
+        ids = [rid for g in groups for rid, s in g.statuses.items() if s == "completed"]
+        oldest: dict[str, int] = {}
+        for t in self.ctl.trajectories(ids):
+            vs = [int(v) for s in t.sequences for v in s.weight_versions if str(v).isdigit()]
+            if vs:
+                oldest[t.rollout_id] = min(vs)
+        floor = self.state.weight_version - self.r.max_staleness
+        fresh, stale = [], []
+        for g in groups:
+            (stale if any(oldest.get(r, floor) < floor for r in g.rollout_ids) else fresh).append(g)
+        return fresh, stale
+
+    def finish(self, final: dict[str, float], wall_s: float) -> dict[str, Any]:
+        rows = read_metrics(self.r.run_dir / "metrics.jsonl")
+        png = plot_rewards(rows, self.r.run_dir / "reward_curve.png")
+        table = summary_table(rows, wall_s=wall_s)
+        (self.r.run_dir / "summary.md").write_text(table + "\n")
+        self.progress.message("\n" + table + f"\n\nreward curve: {png}\nrun dir: {self.r.run_dir}")
+        self.sinks.close()
+        return {"final": final, "wall_s": wall_s, "run_dir": str(self.r.run_dir)}
+
+    def close(self) -> None:
+        self.workers.shutdown()
+        self.ctl.close()
+
+
+def _prune_weights(root: Path, keep: int) -> None:
+    import shutil
+
+    dirs = sorted(
+        (d for d in root.glob("v*") if d.is_dir() and d.name[1:].isdigit()), key=lambda d: int(d.name[1:])
+    )
+    for d in dirs[:-keep]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _train_cfg(recipe: TrainRecipe):
+    from tracegym.trainer.workers import TrainConfig
+
+    return TrainConfig.from_recipe(recipe)
+
+
+def train(recipe: TrainRecipe, *, recipe_dir: Path, resume: bool = False) -> dict[str, Any]:
+    from tracegym.trainer.models import prepare_model
+
+    recipe.run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_model(recipe.model)
+    with start_infra(recipe, model_dir, recipe_dir) as infra:
+        trainer = Trainer(recipe, infra, model_dir, resume=resume)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        recipe = load_recipe(args.recipe)
+    except RecipeError as e:
+        print(f"tracegym train: {e}", file=sys.stderr)
+        return 2
+    if args.steps is not None:
+        recipe = recipe.model_copy(update={"steps": args.steps})
+    train(recipe, recipe_dir=Path(args.recipe).resolve().parent, resume=args.resume)
+    return 0

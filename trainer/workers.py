@@ -1,0 +1,392 @@
+"""Trainer workers: one ``TrainWorker`` per rank holding an FSDP2 shard, and ``WorkerGroup`` driving them.
+
+Decision (1 worker vs N): ``TrainWorker`` is a plain class. ``WorkerGroup(use_ray=True)`` wraps it in
+``ray.remote`` and runs one actor per rank (gloo on CPU, NCCL on GPU); ``use_ray=False`` (only with
+``num_workers=1``) instantiates the very same class in the calling process, so one worker needs no Ray
+at all (no cluster, no ``local_mode``). With one rank there is no process group and no sharding (see
+``fsdp.shard_model``); everything else — batching, loss, clipping, AdamW, checkpoints, weight export —
+is the same code.
+
+One step (``train_step``): the batch is split across ranks by tokens and into micro-batches by token
+budget; every rank runs the same number of micro-batches (empty ones if it has fewer), each a forward
+with ``logits_to_keep`` covering only the loss tokens, ``policy_loss`` with global normalisers, and a
+backward; then gradient clipping and AdamW with the scheduled LR.
+
+Where this departs from PPO as written: one optimizer update per batch. The trainer does recompute the
+old policy's logprobs, but in the same forward that carries the gradient (``old = logprobs.detach()``,
+exact because the weights have not moved yet) rather than in a second, gradient-free pass; it is what
+TIS is weighted against and what the ``mismatch`` metric (mean |Δlogprob| between the engine and the
+trainer on sampled tokens) measures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from tracegym.trainer.batching import (
+    TrainBatch,
+    TrainSample,
+    add_loss_metrics,
+    collate,
+    combine_metrics,
+    plan_step,
+)
+from tracegym.trainer.fsdp import (
+    full_tensor,
+    init_distributed,
+    is_distributed,
+    iter_full_params,
+    load_rng,
+    load_sharded,
+    save_rng,
+    save_sharded,
+    shard_model,
+)
+from tracegym.trainer.losses import PolicyLossConfig, entropy_from_logits, policy_loss
+from tracegym.trainer.optim import OptimSettings, build_optimizer, set_lr
+from tracegym.trainer.weight_sync import write_weights_dir
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    micro_batch_tokens: int = 4096
+    """Token budget of one forward/backward (rows × longest row)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype. Master weights and optimizer state are always fp32; ``bfloat16`` means autocast
+    on CPU (about 2× faster where AMX/AVX512-BF16 exist) and FSDP2 mixed precision on GPU."""
+    device: str | None = None
+    """``cpu`` or ``cuda`` (default: cuda when present)."""
+    seed: int = 0
+    entropy_tokens: int = 64
+    """The entropy metric is averaged over at most this many sampled tokens per micro-batch, evenly
+    spaced (a full-vocabulary softmax per token costs as much as the loss itself on small models);
+    0 turns it off."""
+    gradient_checkpointing: bool = False
+    torch_threads: int | None = None
+
+    @classmethod
+    def from_recipe(cls, recipe: Any, total_steps: int | None = None) -> TrainConfig:
+        """From a ``tracegym.trainer.config.TrainRecipe``."""
+        o, a = recipe.optim, recipe.algorithm
+        optim = OptimSettings(
+            lr=o.lr,
+            betas=tuple(o.betas),
+            total_steps=total_steps,
+            **{k: getattr(o, k) for k in ("weight_decay", "warmup_steps", "grad_clip")},
+        )
+        loss_keys = ("clip_low", "clip_high", "agg", "kl_coef", "kl_estimator", "tis_cap")
+        loss = PolicyLossConfig(name=a.loss, **{k: getattr(a, k) for k in loss_keys})
+        return cls(
+            optim=optim, loss=loss, micro_batch_tokens=o.micro_batch_tokens, dtype=o.dtype, seed=recipe.seed
+        )
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[target]`` per position, in fp32: ``[B, K, V]``, ``[B, K]`` → ``[B, K]``."""
+    logits = logits.float()
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+class TrainWorker:
+    """One rank. Create with the rank's coordinates, then ``setup(master_addr, master_port)``."""
+
+    def __init__(self, model_path: str, cfg: TrainConfig, rank: int, world_size: int) -> None:
+        self.model_path, self.cfg, self.rank, self.world_size = Path(model_path), cfg, rank, world_size
+        self.step = 0
+
+    def address(self) -> tuple[str, int]:
+        """This host's address and a free port, for the rank-0 rendezvous."""
+        import ray
+
+        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        cfg = self.cfg
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        init_distributed(self.rank, self.world_size, master_addr, master_port, backend)
+        torch.manual_seed(cfg.seed + self.rank)
+        random.seed(cfg.seed + self.rank)
+        self.model = self._load(trainable=True)
+        self.ref_model = self._load(trainable=False) if cfg.loss.kl_coef > 0 else None
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.pad_id = int(self.model.config.pad_token_id or 0)
+
+    def _load(self, *, trainable: bool) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=torch.float32)
+        model.to(self.device)
+        if trainable and self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train(trainable)
+        model.requires_grad_(trainable)
+        mp = torch.bfloat16 if self.cfg.dtype == "bfloat16" and self.device.type == "cuda" else None
+        return shard_model(model, param_dtype=mp)
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        sharded_mp = self.device.type == "cuda" and is_distributed()
+        if self.cfg.dtype == "bfloat16" and not sharded_mp:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _forward(self, model: torch.nn.Module, mb: Any) -> torch.Tensor:
+        with self._autocast():
+            out = model(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask,
+                logits_to_keep=mb.logits_to_keep + 1,
+                use_cache=False,
+            )
+        return out.logits[:, :-1]
+
+    def train_step(self, micro: list[list[TrainSample]], n_micro: int, scales: dict[str, float]) -> dict:
+        """Run this rank's micro-batches (padded to ``n_micro``) and one optimizer step. Returns sums."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        lr = set_lr(self.optimizer, self.step, self.cfg.optim)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = dict.fromkeys(
+            ("loss", "tokens", "loss_tokens", "mismatch", "entropy", "entropy_tokens", "nll"), 0.0
+        )
+        batches = micro + [[] for _ in range(n_micro - len(micro))]
+        for i, samples in enumerate(batches):
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            mb = collate(samples, self.pad_id).to(self.device)
+            logits = self._forward(self.model, mb)
+            logprobs = token_logprobs(logits, mb.targets)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self._forward(self.ref_model, mb), mb.targets)
+            loss, metrics = policy_loss(
+                self.cfg.loss,
+                logprobs,
+                logprobs.detach(),
+                mb.advantages,
+                mb.loss_mask,
+                ref_logprobs=ref,
+                engine_logprobs=mb.engine_logprobs,
+                **scales,
+            )
+            loss.backward()
+            m = mb.loss_mask.bool()
+            with torch.no_grad():
+                sums["mismatch"] += float((logprobs.detach() - mb.engine_logprobs)[m].abs().sum())
+                sums["nll"] -= float(logprobs.detach()[m].sum())
+                self._entropy_into(sums, logits, m)
+            sums["loss"] += float(loss.detach())
+            sums["tokens"] += mb.num_tokens
+            add_loss_metrics(sums, metrics)
+        grad_norm = float(
+            full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip))
+        )
+        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return sums | {
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped": float(not finite),
+            "time": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0,
+        }
+
+    def _entropy_into(self, sums: dict[str, float], logits: torch.Tensor, mask: torch.Tensor) -> None:
+        where = mask.nonzero()
+        n = min(self.cfg.entropy_tokens, where.shape[0])
+        if n > 0:
+            pick = where[torch.linspace(0, where.shape[0] - 1, n).round().long()]
+            sums["entropy"] += float(entropy_from_logits(logits.detach()[pick[:, 0], pick[:, 1]]).sum())
+            sums["entropy_tokens"] += n
+
+    # ---------------------------------------------------------------- weights, checksums, checkpoints
+
+    def save_weights(self, out_dir: str, dtype: str | None) -> str | None:
+        """Gather the full weights (collective) and, on rank 0, write a loadable model directory."""
+        params = iter_full_params(self.model)
+        if self.rank != 0:
+            for _ in params:
+                pass
+            return None
+        to = getattr(torch, dtype) if dtype else None
+        tensors = {k: (v.to(to) if to is not None else v) for k, v in params}
+        return str(write_weights_dir(tensors, self.model_path, Path(out_dir)))
+
+    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_full_params(self.model)
+
+    def checksum(self) -> str:
+        """sha256 over this rank's gathered full weights (names, shapes, fp32 bytes)."""
+        h = hashlib.sha256()
+        for name, t in iter_full_params(self.model):
+            h.update(name.encode())
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.float().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def save_checkpoint(self, d: str) -> None:
+        save_sharded(self.model, self.optimizer, Path(d) / "dcp")
+        save_rng(Path(d) / f"rng_rank{self.rank}.pt")
+
+    def load_checkpoint(self, d: str) -> int:
+        load_sharded(self.model, self.optimizer, Path(d) / "dcp")
+        load_rng(Path(d) / f"rng_rank{self.rank}.pt")
+        self.step = int(json.loads((Path(d) / "trainer_state.json").read_text())["step"])
+        return self.step
+
+    def get_step(self) -> int:
+        return self.step
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(self, *args)`` on this rank (e.g. the NCCL weight push, see ``weight_sync``)."""
+        return fn(self, *args)
+
+    def close(self) -> None:
+        if is_distributed():
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """``num_workers`` ranks as Ray actors, or one ``TrainWorker`` in this process (``use_ray=False``)."""
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        num_workers: int,
+        train_cfg: TrainConfig,
+        use_ray: bool = True,
+        cpus_per_worker: float = 1.0,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not use_ray and num_workers != 1:
+            raise ValueError(f"num_workers={num_workers} needs use_ray=True (in-process runs one worker)")
+        self.cfg, self.world_size, self.use_ray, self._owns_ray = train_cfg, num_workers, use_ray, False
+        self.model_path = Path(model_path)
+        if use_ray:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(include_dashboard=False, log_to_driver=True)
+                self._owns_ray = True
+            gpus = 1 if (train_cfg.device or "").startswith("cuda") else 0
+            actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus)(TrainWorker)
+            self._workers: list[Any] = [
+                actor.remote(str(model_path), train_cfg, r, num_workers) for r in range(num_workers)
+            ]
+            addr, port = ray.get(self._workers[0].address.remote())
+        else:
+            self._workers = [TrainWorker(str(model_path), train_cfg, 0, 1)]
+            addr, port = "127.0.0.1", 0
+        self._call_all("setup", [(addr, port)] * num_workers)
+
+    def _call_all(self, method: str, args: list[tuple[Any, ...]]) -> list[Any]:
+        if not self.use_ray:
+            return [getattr(w, method)(*a) for w, a in zip(self._workers, args, strict=True)]
+        import ray
+
+        return ray.get([getattr(w, method).remote(*a) for w, a in zip(self._workers, args, strict=True)])
+
+    def _same(self, method: str, *args: Any) -> list[Any]:
+        return self._call_all(method, [args] * self.world_size)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``; metrics: loss, kl, clip_frac, entropy, mismatch, grad_norm, lr,
+        tokens, tokens_per_s (plus the other ``policy_loss`` metrics)."""
+        if not batch.samples:
+            raise ValueError("empty batch")
+        t0 = time.perf_counter()
+        samples = batch.samples
+        plan, n_micro = plan_step(
+            [len(s.token_ids) for s in samples], self.world_size, self.cfg.micro_batch_tokens
+        )
+        scales = {
+            "loss_scale_tokens": max(batch.num_loss_tokens, 1) / self.world_size,
+            "loss_scale_seqs": max(sum(1 for s in samples if s.num_loss_tokens), 1) / self.world_size,
+        }
+        args = [([[samples[i] for i in g] for g in rank_plan], n_micro, scales) for rank_plan in plan]
+        per_rank = self._call_all("train_step", args)
+        return combine_metrics(per_rank, time.perf_counter() - t0, self.world_size)
+
+    def save_weights(self, out_dir: Path, dtype: str | None = None) -> Path:
+        """Gathered full weights → ``out_dir`` (safetensors + config + tokenizer files), written atomically."""
+        paths = self._same("save_weights", str(out_dir), dtype)
+        return Path(paths[0])
+
+    def state_dict_checksum(self) -> list[str]:
+        return self._same("checksum")
+
+    def save_checkpoint(self, d: Path, extra: dict[str, Any] | None = None) -> Path:
+        """Model, optimizer, step and RNG of every rank, plus ``extra`` (e.g. the data position), into
+        ``d`` (replaced atomically: written to a sibling temp dir, then renamed)."""
+        d = Path(d)
+        tmp = d.parent / f".{d.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._same("save_checkpoint", str(tmp))
+        state = {"step": self.step, "world_size": self.world_size, "extra": extra or {}}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        if d.exists():
+            shutil.rmtree(d)
+        os.rename(tmp, d)
+        return d
+
+    def load_checkpoint(self, d: Path) -> dict[str, Any]:
+        """Restore a ``save_checkpoint`` directory; returns its ``extra`` (with ``step`` added)."""
+        d = Path(d)
+        if not (d / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"{d} is not a trainer checkpoint (no trainer_state.json)")
+        self._same("load_checkpoint", str(d))
+        state = json.loads((d / "trainer_state.json").read_text())
+        return {**state["extra"], "step": state["step"]}
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored by ``load_checkpoint``)."""
+        return self._same("get_step")[0]
+
+    def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` on every rank at once (for collectives such as the NCCL weight push)."""
+        return self._same("run", fn, *args)
+
+    def shutdown(self) -> None:
+        if not self._workers:
+            return
+        self._same("close")
+        if self.use_ray:
+            import ray
+
+            for w in self._workers:
+                ray.kill(w)
+            if self._owns_ray:
+                ray.shutdown()
+        self._workers = []

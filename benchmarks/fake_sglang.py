@@ -7,6 +7,12 @@ With ``--tokenizer``, the reply's ids are ``encode(reply) + [eos]`` (so the gate
 back); without it, the ids are fixed small integers. Honours ``max_new_tokens`` (finish ``length``),
 ``n`` (list response) and ``stream`` (SGLang's cumulative chunks, one token per chunk). ``--delay``
 sleeps before answering (timeouts); ``--stream-delay`` sleeps between stream chunks (disconnects).
+
+Weight swaps: ``/pause_generation`` (mode abort: requests in flight answer at once with their partial
+output and finish_reason abort, new ones are held until ``/continue_generation``),
+``/update_weights_from_disk`` (an existing directory succeeds and sets the served ``weight_version``;
+anything else answers 400 ``success: false``). ``--token-delay`` makes each generated token take that
+long (stream and non-stream), so a pause can land mid-generation.
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ class Fake:
             self.texts = [f"t{i}" for i in self.ids]
             self.eos = None
         self.reply = args.reply
+        self.version = args.weight_version
+        self.controls: list[dict[str, Any]] = []
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.pauses = 0  # bumped by each pause: generations started before it abort
+        self.inflight = 0
 
     def plan(self, max_new: int | None, stops: list[str]) -> tuple[int, dict]:
         """How many reply tokens to send and the final finish_reason (length / stop string / eos)."""
@@ -62,7 +74,7 @@ class Fake:
         ids = self.ids[:n_tokens]
         meta = {
             "id": rid, "finish_reason": fr if n_tokens >= total else None, "prompt_tokens": prompt_len,
-            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.args.weight_version,
+            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.version,
             "output_token_logprobs": [[-0.5 - 0.01 * k, t, None] for k, t in enumerate(ids)],
         }
         return {"text": "".join(self.texts[: len(ids)]), "output_ids": ids, "meta_info": meta, "index": index}
@@ -78,10 +90,17 @@ class Fake:
             return web.json_response({"error": {"message": "input_ids required"}}, status=400)
         if self.args.delay:
             await asyncio.sleep(self.args.delay)
+        await self.resumed.wait()  # held while paused
         sp = body.get("sampling_params", {})
         n = int(sp.get("n", 1))
         rid, plen = body.get("rid", "fake"), len(body["input_ids"])
         total, fr = self.plan(sp.get("max_new_tokens"), sp.get("stop") or [])
+        if self.args.token_delay:
+            self.inflight += 1
+            try:
+                return await self.generate_slowly(request, body, rid, plen, n, total, fr)
+            finally:
+                self.inflight -= 1
         if not body.get("stream"):
             items = [self.item(rid, plen, total, i, total, fr) for i in range(n)]
             return web.Response(body=orjson.dumps(items if n > 1 else items[0]), content_type="application/json")
@@ -99,11 +118,59 @@ class Fake:
             raise
         return resp
 
+    async def generate_slowly(self, request: web.Request, body: dict, rid: str, plen: int, n: int, total: int,
+                              fr: dict) -> web.StreamResponse:
+        """One token per ``--token-delay``; a pause cuts the generation (finish_reason abort)."""
+        epoch, resp, k = self.pauses, None, 0
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+        while k < total and self.pauses == epoch:
+            await asyncio.sleep(self.args.token_delay)
+            if self.pauses != epoch:
+                break
+            k += 1
+            if resp is not None:
+                for i in range(n):
+                    await resp.write(b"data: " + orjson.dumps(self.item(rid, plen, k, i, total, fr)) + b"\n\n")
+        if k < total:
+            total, fr = k, {"type": "abort", "message": "Aborted", "status_code": None}
+        items = [self.item(rid, plen, k, i, total, fr) for i in range(n)]
+        if resp is None:
+            return web.Response(body=orjson.dumps(items if n > 1 else items[0]), content_type="application/json")
+        if fr["type"] == "abort":
+            for it in items:
+                await resp.write(b"data: " + orjson.dumps(it) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def control(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read() or b"{}")
+        self.controls.append({"path": request.path, "body": body})
+        if request.path == "/pause_generation":
+            self.pauses += 1
+            self.resumed.clear()
+            while self.inflight:  # like SGLang: returns once the aborted responses are out
+                await asyncio.sleep(0.005)
+            return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+        if request.path == "/continue_generation":
+            self.resumed.set()
+            return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+        from pathlib import Path
+
+        if not Path(str(body.get("model_path"))).is_dir():
+            return web.json_response({"success": False, "message": f"Failed to update weights: no directory "
+                                      f"{body.get('model_path')!r}", "num_paused_requests": 0}, status=400)
+        if body.get("weight_version") is not None:
+            self.version = str(body["weight_version"])
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
     async def model_info(self, _: web.Request) -> web.Response:
         return web.json_response({
             "model_path": self.args.tokenizer or "fake", "served_model_name": self.args.model_name,
             "tokenizer_path": self.args.tokenizer, "is_generation": True,
-            "weight_version": self.args.weight_version,
+            "weight_version": self.version,
         })
 
     async def health(self, _: web.Request) -> web.Response:
@@ -115,7 +182,8 @@ class Fake:
 
     async def debug(self, _: web.Request) -> web.Response:
         """Test hook: the requests received (with ``--record``) and the rids aborted."""
-        return web.Response(text=json.dumps({"requests": self.requests, "aborted": self.aborted}),
+        return web.Response(text=json.dumps({"requests": self.requests, "aborted": self.aborted,
+                                             "controls": self.controls}),
                             content_type="application/json")
 
 
@@ -127,6 +195,8 @@ def build_app(args: argparse.Namespace) -> web.Application:
     app.router.add_get("/health", fake.health)
     app.router.add_post("/abort_request", fake.abort)
     app.router.add_get("/debug", fake.debug)
+    for path in ("/pause_generation", "/continue_generation", "/update_weights_from_disk"):
+        app.router.add_post(path, fake.control)
     return app
 
 
@@ -141,6 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="v0")
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--stream-delay", type=float, default=0.0)
+    p.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token (pausable)")
     p.add_argument("--record", action="store_true", help="keep received requests for GET /debug")
     return p.parse_args(argv)
 

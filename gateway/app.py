@@ -5,7 +5,6 @@ metrics registry) and tears it down on shutdown. Nothing here imports torch."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,15 +22,12 @@ from tracegym.gateway.deps import GatewayMetrics, Recorder, Services, ServicesDe
 from tracegym.gateway.errors import install_error_handlers
 from tracegym.gateway.fastpath import GatewayMiddleware
 from tracegym.gateway.routes import openai as openai_routes
+from tracegym.gateway.routes import weights as weights_routes
 from tracegym.gateway.settings import GatewaySettings
 from tracegym.gateway.upstream.base import ModelInfo, Upstream
 from tracegym.gateway.upstream.http import make_session
 
 log = logging.getLogger("tracegym.gateway")
-
-# Routers written alongside this app (store/control, OTLP ingest, trajectories); included when present.
-_STORE_ROUTERS = ("control", "otlp", "trajectories")
-
 
 def build_upstream(settings: GatewaySettings, session: aiohttp.ClientSession) -> Upstream:
     kind = settings.upstream_kind
@@ -137,6 +133,7 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
 
             prefix = PrefixCache(tokenizer, loader=store.list_call_records if store is not None else None)
         app.state.settings, app.state.store, app.state.recorder = settings, store, recorder
+        app.state.swap = _swap_coordinator(upstream, store)
         app.state.services = Services(
             settings=settings, upstream=upstream, served_model=served, tokenizer=tokenizer, prefix=prefix,
             recorder=recorder, metrics=GatewayMetrics(registry), store=store, created=int(time.time()),
@@ -153,15 +150,22 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
             await asyncio.to_thread(store.close)
 
 
+def _swap_coordinator(upstream: Upstream, store: Any) -> Any:
+    """Weight hot-swap (``/api/weights/update``) for SGLang-protocol upstreams; None for the others."""
+    from tracegym.gateway.upstream.sglang import SGLangUpstream
+
+    if not isinstance(upstream, SGLangUpstream):
+        return None
+    from tracegym.gateway.swap import SwapCoordinator
+
+    return SwapCoordinator(upstream, store)
+
+
 def _include_store_routers(app: FastAPI) -> None:
-    for name in _STORE_ROUTERS:
-        module = f"tracegym.gateway.routes.{name}"
-        try:
-            app.include_router(importlib.import_module(module).router)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            log.warning("%s is not available yet; its routes are not served", module)
+    from tracegym.gateway.routes import control, otlp, trajectories
+
+    for module in (control, otlp, trajectories):
+        app.include_router(module.router)
 
 
 def create_app(settings: GatewaySettings | None = None, *, recorder: Recorder | None = None) -> FastAPI:
@@ -172,6 +176,7 @@ def create_app(settings: GatewaySettings | None = None, *, recorder: Recorder | 
     install_error_handlers(app)
     app.add_middleware(GatewayMiddleware, routes=openai_routes.HOT_ROUTES)
     app.include_router(openai_routes.router)
+    app.include_router(weights_routes.router)
     if settings.store_url:
         _include_store_routers(app)
 

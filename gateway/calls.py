@@ -193,7 +193,10 @@ def build_record(
 
 def choice_record(ch: GenChoice, finish: str | None, message: dict | None, weight_version: str | None) -> ChoiceRecord:
     n = len(ch.output_ids or ())
-    spans = [WeightVersionSpan(weight_version, 0, n)] if weight_version is not None and n else []
+    if ch.weight_versions:  # continued across a weight swap (upstream/sglang.py)
+        spans = list(ch.weight_versions)
+    else:
+        spans = [WeightVersionSpan(weight_version, 0, n)] if weight_version is not None and n else []
     return ChoiceRecord(index=ch.index, output_ids=ch.output_ids, output_logprobs=ch.logprobs,
                         finish_reason=finish, message=message, weight_versions=spans)
 

@@ -7,6 +7,10 @@ spans from elsewhere may instead carry plain int/float arrays under the same key
 store's binary columns. ``tracegym.request`` (the request body, messages included) and ``tracegym.choices``
 (per-choice message, finish reason, weight versions and array lengths) are JSON strings on the span and
 structured JSON in the store.
+
+Two ways to a store row, kept equal by the tests: ``call_record_to_row`` (a row dict, via the span
+attributes) and ``call_record_store_row`` (the encoded value tuple straight from the record, which the
+tracing exporter uses: no attribute dict round trip, JSON serialized once).
 """
 
 from __future__ import annotations

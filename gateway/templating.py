@@ -28,6 +28,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from tracegym.gateway.encode_cache import SegmentEncoder
 from tracegym.gateway.tools import format_assistant_content, tool_system_section
 
 
@@ -270,6 +271,9 @@ class ChatTokenizer:
             if tok.special and not (tok.lstrip or tok.rstrip or tok.single_word or tok.normalized)
         }
         """Special tokens the tokenizer always splits on: text can be encoded piecewise around them."""
+        sources = "".join(templates.values())  # split where the template writes special tokens
+        self._encoder = SegmentEncoder(tokenizer, {t: i for t, i in self.split_tokens.items() if t in sources})
+        self._native = {name: re.search(r"\btools\b", src) is not None for name, src in templates.items()}
         eos = [tokenizer.token_to_id(t) for t in (special_tokens.get("eos_token"), "<|im_end|>") if t]
         ids = [i for i in [*eos, *(extra_eos_ids or [])] if i is not None]
         self._eos_ids = list(dict.fromkeys(ids))
@@ -326,7 +330,7 @@ class ChatTokenizer:
 
     def native_tools(self, tools: list | None = None) -> bool:
         """Whether the template renders ``tools`` itself (else they are injected hermes-style)."""
-        return re.search(r"\btools\b", self.templates[self.template_for(tools)]) is not None
+        return self._native[self.template_for(tools)]
 
     # ---- rendering and tokenizing
 
@@ -342,7 +346,7 @@ class ChatTokenizer:
         if reserved := {"messages", "tools", "documents"} & kwargs.keys():
             raise ValueError(f"template kwargs cannot override {sorted(reserved)}")
         name = self.template_for(tools)
-        native = self.native_tools(tools)
+        native = self._native[name]
         msgs, visible_tools = prepare_messages(
             messages, tools=tools, tool_choice=tool_choice, native_tools=native, tool_role=self.tool_role
         )
@@ -359,8 +363,10 @@ class ChatTokenizer:
             raise TemplateRenderError(f"chat template error: {e}") from e
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text are matched, none are added."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; special tokens written in the text are matched, none are added. Exactly
+        ``tokenizer.encode(text, add_special_tokens=False).ids``, with repeated pieces cached
+        (``encode_cache.SegmentEncoder``)."""
+        return self._encoder.encode(text)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -125,9 +125,10 @@ def micro_batches(lengths: Seq[int], token_budget: int) -> list[list[int]]:
 
 
 def plan_step(lengths: Seq[int], world_size: int, token_budget: int) -> tuple[list[list[list[int]]], int]:
-    """Per rank, its micro-batches (lists of global sample indices); and the count all ranks run."""
-    if len(lengths) < world_size:
-        raise ValueError(f"a batch of {len(lengths)} samples cannot feed {world_size} ranks")
+    """Per rank, its micro-batches (lists of global sample indices); and the count all ranks run. A rank
+    left without samples (fewer samples than ranks) runs only empty micro-batches."""
+    if not lengths:
+        raise ValueError("an empty batch has nothing to train on")
     plan = []
     for ix in split_across_ranks(lengths, world_size):
         groups = micro_batches([lengths[i] for i in ix], token_budget)

@@ -14,8 +14,8 @@ while the trainer joins the same rendezvous as rank 0; an update is ``pause_gene
 bucket's tensors are broadcast from rank 0 → ``end_weight_update`` → ``continue_generation`` (always,
 also after an error). **This path is unverified on hardware**: there are no GPUs here. Its HTTP sequence
 and payloads are unit-tested against the documented fields with the broadcast injected as a function;
-``nccl_group``/``nccl_broadcast`` below follow SGLang's ``init_custom_process_group`` key layout from
-reading its source only.
+``nccl_group``/``nccl_broadcast`` below mirror how SGLang builds its side of the group, from reading
+its source only.
 """
 
 from __future__ import annotations
@@ -285,23 +285,43 @@ class NcclWeightSync:
         return SwapResult(version, None, total - update_s, update_s, total)
 
 
-def nccl_group(master_address: str, master_port: int, world_size: int, group_name: str) -> Any:
-    """The trainer's side (rank 0) of SGLang's ``init_custom_process_group`` rendezvous (unverified)."""
-    import torch.distributed as dist
+def nccl_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
+    rank: int = 0,
+) -> Any:
+    """The trainer's side (rank 0) of the weight-update group that SGLang joins in
+    ``/init_weights_update_group``: a second, independent process group next to the trainer's own,
+    built the way SGLang builds its side (``init_custom_process_group``: TCP rendezvous, store prefixed
+    with the group name, torch's private ``_new_process_group_helper``). Unverified on hardware."""
+    from datetime import timedelta
 
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=True)
-    prefixed = dist.PrefixStore("nccl/", dist.PrefixStore(group_name, store))
-    return dist.ProcessGroupNCCL(prefixed, 0, world_size)
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.rendezvous import rendezvous
+
+    timeout = timedelta(minutes=10)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = c10d._new_process_group_helper(
+        size, rank, [], backend, c10d.PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+    )
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(size)}
+    return pg
 
 
 def nccl_broadcast(pg: Any) -> Callable[[list[torch.Tensor]], None]:
+    """Broadcast each tensor of a bucket from rank 0 of ``pg``, in order (what SGLang receives)."""
     import torch.distributed as dist
 
     def send(tensors: list[torch.Tensor]) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        for t in tensors:
-            pg.broadcast([t.cuda().contiguous()], opts).wait()
+        on_gpu = [t.cuda().contiguous() for t in tensors]  # kept alive until every broadcast is done
+        handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in on_gpu]
+        for h in handles:
+            h.wait()
         torch.cuda.synchronize()
 
     return send

@@ -85,6 +85,7 @@ class ChoiceStream:
         self.saw_tool_call = False
         self.parsed_content = ""
         self.parsed_calls: list[dict[str, Any]] = []
+        self.weight_versions: list | None = None  # set when the choice was continued across a swap
 
     def push(self, ch: GenChoice) -> tuple[list[dict[str, Any]], list[dict] | None]:
         """(delta objects to send, logprob entries of the new tokens or None)."""
@@ -101,6 +102,7 @@ class ChoiceStream:
             _merge_tool_deltas(self.upstream_tool_calls, ch.tool_call_deltas)
         if ch.finish_reason is not None:
             self.finish, self.stop_matched = ch.finish_reason, ch.stop_matched
+            self.weight_versions = ch.weight_versions
             if self.decoder:
                 self.text += self.decoder.flush()
             release = trim_stop(self.text, self.stop_matched)[self.sent:]
@@ -150,7 +152,8 @@ class ChoiceStream:
             message = {"content": trim_stop(self.text, self.stop_matched) or None, "tool_calls": calls or None}
         return GenChoice(index=self.index, output_ids=self.ids if self.decoder else (self.ids or None),
                          logprobs=self.logprobs if self.logprobs else None, text=self.text,
-                         message=message, finish_reason=self.finish, stop_matched=self.stop_matched)
+                         message=message, finish_reason=self.finish, stop_matched=self.stop_matched,
+                         weight_versions=self.weight_versions)
 
 
 def _tool_parser() -> Any:

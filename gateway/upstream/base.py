@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tracegym.types import WeightVersionSpan
+
 Operation = Literal["chat", "text_completion"]
 
 
@@ -73,6 +75,10 @@ class GenChoice:
     stop_matched: str | None = None
     """A stop *string* that ended the choice (its tokens are in output_ids; the text is trimmed)."""
     error: str | None = None
+    weight_versions: list[WeightVersionSpan] | None = None
+    """Which output tokens came from which weight version, when a choice spans a weight swap (set on
+    the final result, or a stream's final event, of a continued choice); None means all came from the
+    result's ``weight_version``."""
 
 
 @dataclass(slots=True)

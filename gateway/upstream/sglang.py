@@ -3,17 +3,36 @@
 (``[logprob, id, text]`` triples), the weight version from ``meta_info.weight_version``.
 
 Streams are SGLang's default cumulative chunks (full ids/logprobs so far; not
-``--incremental-streaming-output``); this adapter turns them into per-choice deltas."""
+``--incremental-streaming-output``); this adapter turns them into per-choice deltas.
+
+Weight swaps (``gateway/swap.py``): a choice that comes back with finish_reason abort because the
+coordinator paused generation is continued transparently, as AReaL does: wait until the swap is over,
+re-post with ``input_ids = prompt + output ids so far`` and ``max_new_tokens`` lowered by the tokens
+already produced, same sampling parameters, then join ids, logprobs and ``weight_versions`` spans. The
+client sees one response (or one uninterrupted stream). Departures from one uninterrupted generation: a
+``seed`` cannot be continued exactly (the continuation re-seeds from the same seed at a new position),
+and a stop *string* that straddles the cut is not detected. Aborts not caused by a swap (a client
+disconnect, an explicit ``/abort_request``) are never continued."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import aiohttp
 import orjson
 
+from tracegym.gateway.swap import (
+    MAX_CONTINUATIONS,
+    JoinedChoice,
+    SwapGate,
+    continuation_request,
+    too_many_continuations,
+)
 from tracegym.gateway.upstream.base import (
     GenChoice,
     GenerateRequest,
@@ -33,7 +52,6 @@ from tracegym.gateway.upstream.http import (
 )
 
 log = logging.getLogger("tracegym.gateway")
-
 
 def sampling_params(req: GenerateRequest) -> dict[str, Any]:
     """OpenAI names → SGLang ``sampling_params`` (only keys that were set: SGLang 0.5.23 and the
@@ -169,8 +187,44 @@ class SGLangUpstream(Upstream):
         self._timeout = request_timeout(timeout, connect_timeout)
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout)
         self._bg = BackgroundTasks()
+        self.gate = SwapGate()
+        """Read to tell swap-aborts (continued) from other aborts; driven by ``swap.SwapCoordinator``."""
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
+        ticket = self.gate.ticket()
+        result = await self._generate_once(req)
+        aborted = [c for c in result.choices if c.finish_reason == "abort"]
+        if not aborted or not self.gate.is_pause_abort(ticket):
+            return result
+        joined = await asyncio.gather(*(self._continue(req, c, result.weight_version) for c in aborted))
+        by_index = {j.index: (j, c) for j, c in joined}
+        result.choices = [by_index[c.index][1] if c.index in by_index else c for c in result.choices]
+        versions = [j.spans[-1].version for j, _ in joined if j.spans]
+        result.weight_version = versions[-1] if versions else result.weight_version
+        return result
+
+    async def _continue(self, req: GenerateRequest, first: GenChoice,
+                        version: str | None) -> tuple[JoinedChoice, GenChoice]:
+        """Re-post a swap-aborted choice until it finishes (non-stream)."""
+        joined = JoinedChoice(first.index)
+        joined.add(first, version)
+        while joined.continuations < MAX_CONTINUATIONS:
+            joined.continuations += 1
+            await self.gate.wait_idle()
+            sub = continuation_request(req, joined)
+            if sub is None:
+                return joined, joined.final("length", None)
+            ticket = self.gate.ticket()
+            res = await self._generate_once(sub)
+            part = res.choices[0]
+            joined.add(part, res.weight_version)
+            if part.finish_reason != "abort" or not self.gate.is_pause_abort(ticket):
+                final = joined.final(part.finish_reason, part.stop_matched)
+                final.error = part.error
+                return joined, final
+        raise too_many_continuations(req.rid)
+
+    async def _generate_once(self, req: GenerateRequest) -> GenerateResult:
         url = self.base_url + "/generate"
         with upstream_errors(url, self._timeout_s):
             async with self._session.post(
@@ -182,6 +236,68 @@ class SGLangUpstream(Upstream):
         return parse_generate_response(body)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        ticket = self.gate.ticket()
+        joined: dict[int, JoinedChoice] = {}
+        pending: list[JoinedChoice] = []
+        async with aclosing(self._stream_once(req)) as events:
+            async for ev in events:
+                out = self._track(ev, joined.setdefault(ev.choice.index, JoinedChoice(ev.choice.index)),
+                                  ticket, pending)
+                if out is not None:
+                    yield out
+        for j in pending:  # one choice at a time: only n > 1 streams have several
+            async for ev in self._continue_stream(req, j):
+                yield ev
+
+    def _track(self, ev: StreamEvent, j: JoinedChoice, ticket: int,
+               pending: list[JoinedChoice]) -> StreamEvent | None:
+        """Account a delta; a swap-abort becomes a plain delta and queues the choice for continuation."""
+        ch = ev.choice
+        j.add(ch, ev.weight_version)
+        if ch.finish_reason == "abort" and self.gate.is_pause_abort(ticket):
+            pending.append(j)
+            ch.finish_reason = ch.error = None
+            return ev if ch.output_ids else None
+        if ch.finish_reason is not None and j.continuations:
+            ch.weight_versions = list(j.spans)
+        return ev
+
+    async def _continue_stream(self, req: GenerateRequest, j: JoinedChoice) -> AsyncIterator[StreamEvent]:
+        while j.continuations < MAX_CONTINUATIONS:
+            j.continuations += 1
+            await self.gate.wait_idle()
+            sub = continuation_request(req, j)
+            if sub is None:
+                yield StreamEvent(choice=dataclasses.replace(j.final("length", None), output_ids=[], logprobs=[],
+                                                             top_logprobs=None, text=""))
+                return
+            ticket, again = self.gate.ticket(), []
+            async with aclosing(self._stream_once(sub)) as events:
+                async for ev in events:
+                    ev.choice.index, ev.prompt_tokens = j.index, None  # the client's prompt did not grow
+                    out = self._track(ev, j, ticket, again)
+                    if out is not None:
+                        yield out
+            if not again:
+                return
+        raise too_many_continuations(req.rid)
+
+    async def post_control(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """POST a control endpoint (pause, weight update, continue): (HTTP status, JSON body). Error
+        statuses are returned, not raised; an unreachable upstream raises 502/504."""
+        url = self.base_url + path
+        with upstream_errors(url, self._timeout_s):
+            async with self._session.post(url, data=orjson.dumps(body), headers=JSON_HEADERS,
+                                          timeout=self._timeout) as resp:
+                raw = await resp.read()
+                status = resp.status
+        try:
+            parsed = orjson.loads(raw) if raw.strip() else {}
+        except orjson.JSONDecodeError:
+            parsed = {"message": raw.decode(errors="replace")[:1000]}
+        return status, parsed if isinstance(parsed, dict) else {"message": str(parsed)}
+
+    async def _stream_once(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
         url = self.base_url + "/generate"
         converter = _CumulativeToDelta()
         finished = False

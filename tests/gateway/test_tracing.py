@@ -108,3 +108,63 @@ def test_store_failures_are_counted_not_silent(caplog):
     assert any("dropping 3 spans" in r.message for r in caplog.records)
     rec.record(make_record(9))  # after shutdown: counted too
     assert _metric(registry, 'tracegym_spans_dropped_total{reason="shutdown"}') == 1
+
+
+def test_extra_processors_see_genai_spans_and_the_store_gets_the_same_calls(store: Store):
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tracegym.gateway.store.codec import decode
+
+    memory = InMemorySpanExporter()
+    rec = TraceRecorder(store, schedule_delay_s=0.05)
+    rec.add_span_processor(SimpleSpanProcessor(memory))
+    calls = [make_record(i, rollout_id="ro-x", n=1 + i % 2) for i in range(5)]
+    for c in calls:
+        rec.record(c)
+    with rec.tracer.start_as_current_span("tool search") as span:  # a span of the app's own tracer
+        span.set_attribute("tracegym.rollout_id", "ro-x")
+    rec.shutdown()
+    seen = sorted(memory.get_finished_spans(), key=lambda s: s.start_time)
+    assert [s.name for s in seen] == ["chat tiny-random"] * 5 + ["tool search"]
+    s0 = seen[0]
+    assert s0.kind.name == "CLIENT" and s0.status.status_code.name == "OK"
+    assert s0.start_time == calls[0].start_time_ns and s0.end_time == calls[0].end_time_ns
+    assert s0.resource.attributes["service.name"] == "tracegym-gateway"
+    a = s0.attributes
+    assert a["gen_ai.response.id"] == calls[0].call_id and a["gen_ai.request.temperature"] == 0.7
+    assert decode(a["tracegym.prompt_token_ids"]) == calls[0].prompt_ids
+    assert decode(a["tracegym.output_token_ids"]) == calls[0].choices[0].output_ids
+    assert s0.dropped_attributes == 0 and len(s0.attributes) > 20
+    otlp = encode_spans(seen[:1]).resource_spans[0].scope_spans[0]  # what an OTLP exporter would send
+    assert otlp.scope.name == "tracegym.gateway"
+    sent = {kv.key: kv.value for kv in otlp.spans[0].attributes}
+    assert sent["gen_ai.operation.name"].string_value == "chat"
+    assert decode(sent["tracegym.output_logprobs"].bytes_value) == calls[0].choices[0].output_logprobs
+    stored = store.list_spans("ro-x")
+    assert [s["name"] for s in stored] == [s.name for s in seen]
+    assert [s["span_id"] for s in stored[:5]] == [format(s.context.span_id, "016x") for s in seen[:5]]
+    assert [c.to_dict() for c in store.list_call_records("ro-x")] == [c.to_dict() for c in calls]
+
+
+def test_unencodable_records_are_counted_not_silent(store: Store, caplog):
+    registry = CollectorRegistry()
+    rec = TraceRecorder(store, registry=registry)
+    bad = make_record(1, rollout_id="ro-e", request={"model": "m", "messages": object()})
+    with caplog.at_level(logging.ERROR, logger="tracegym.gateway.tracing"):
+        for c in (make_record(0, rollout_id="ro-e"), bad, make_record(2, rollout_id="ro-e")):
+            rec.record(c)  # never raises on the request path
+        rec.shutdown()
+    assert [c.call_id for c in store.list_call_records("ro-e")] == ["chatcmpl-0-0", "chatcmpl-0-2"]
+    assert _metric(registry, 'tracegym_spans_dropped_total{reason="encode_error"}') == 1
+    assert _metric(registry, "tracegym_spans_exported_total") == 2
+    assert any("chatcmpl-0-1" in r.getMessage() for r in caplog.records)
+
+
+def test_calls_without_times_get_the_recording_time(store: Store):
+    rec = TraceRecorder(store)
+    rec.record(make_record(0, rollout_id="ro-now", start_time_ns=0, end_time_ns=0, first_token_time_ns=None))
+    rec.shutdown()
+    (span,) = store.list_spans("ro-now")
+    assert span["start_time_ns"] > 1_700_000_000 * 10**9 and span["end_time_ns"] >= span["start_time_ns"]

@@ -74,8 +74,10 @@ def test_plan_step_same_count_on_every_rank() -> None:
     plan, n = plan_step([100, 90, 80, 10, 10, 10, 10], 2, 100)
     assert n == max(len(p) for p in plan)
     assert sorted(i for p in plan for g in p for i in g) == list(range(7))
-    with pytest.raises(ValueError, match="cannot feed 4 ranks"):
-        plan_step([5, 5], 4, 100)
+    plan, n = plan_step([5, 5], 4, 100)  # more ranks than samples: two ranks run empty micro-batches
+    assert n == 1 and sorted(len(p) for p in plan) == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="empty batch"):
+        plan_step([], 2, 100)
 
 
 def test_collate_aligns_targets_with_mask_and_logprobs() -> None:

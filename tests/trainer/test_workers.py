@@ -111,6 +111,16 @@ def test_loss_falls_on_a_fixed_batch(group: tuple[WorkerGroup, Path]) -> None:
     assert nll[-1] < nll[0] - 0.05, nll
 
 
+def test_fewer_samples_than_ranks(group: tuple[WorkerGroup, Path]) -> None:
+    """One sample on two ranks: the idle rank runs an empty micro-batch so the collectives still match."""
+    g, _ = group
+    batch = TrainBatch(fixed_batch().samples[:1])
+    metrics = g.train_step(batch)
+    assert metrics["loss_tokens"] == batch.num_loss_tokens and metrics["grad_norm"] > 0
+    sums = g.state_dict_checksum()
+    assert sums[0] == sums[1]
+
+
 def test_checkpoint_resume_continues_identically(group: tuple[WorkerGroup, Path], tmp_path: Path) -> None:
     g, start = group
     g.load_checkpoint(start)

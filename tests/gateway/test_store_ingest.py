@@ -1,0 +1,107 @@
+"""The fast span insert path: encoded rows equal the dict path's, batched inserts (SQLite executemany,
+PostgreSQL COPY with its duplicate fallback) count exactly, storage settings of the spans table."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from tests.gateway.test_store_helpers import make_record
+from tracegym.gateway.spans import call_record_store_row, call_record_to_row
+from tracegym.gateway.store import Store
+from tracegym.gateway.store.codec import decode, encode_floats, encode_ints
+from tracegym.gateway.store.db import SQLITE_PAGE_SIZE
+from tracegym.gateway.store.span_rows import COLUMNS, JSON_COLUMNS, SpanBatch, encode_row
+
+
+@pytest.fixture
+def store(store_url: str):
+    s = Store.open(store_url)
+    yield s
+    s.close()
+
+
+def _records():
+    recs = [
+        make_record(0),
+        make_record(1, n=3),
+        make_record(2, status="error", error="client disconnected", first_token_time_ns=None),
+        make_record(3, prompt_ids=None, retokenized=True, weight_version=None, task_id=None, agent_name=None),
+        make_record(4, request={"model": "m", "prompt": "hi", "max_completion_tokens": 9, "seed": 3,
+                                "temperature": None, 1: "non-str key"}),
+    ]
+    recs[3].choices[0].output_ids = None
+    recs[3].choices[0].output_logprobs = None
+    return recs
+
+
+def test_direct_row_equals_the_dict_path():
+    resource = {"service.name": "tracegym-gateway"}
+    for rec in _records():
+        direct = call_record_store_row(rec, trace_id="a" * 32, span_id="b" * 16,
+                                       resource_json=orjson.dumps(resource).decode(),
+                                       start_time_ns=rec.start_time_ns, end_time_ns=rec.end_time_ns)
+        via_dict = encode_row(call_record_to_row(rec, trace_id="a" * 32, span_id="b" * 16, resource=resource))
+        assert len(direct) == len(COLUMNS)
+        for col, d, v in zip(COLUMNS, direct, via_dict, strict=True):
+            if col in JSON_COLUMNS:
+                assert orjson.loads(d) == orjson.loads(v), col
+            elif col != "status_message":  # the dict path also keeps a message on ok calls
+                assert d == v, col
+    assert via_dict[COLUMNS.index("attributes")].startswith("{")
+    assert orjson.loads(direct[COLUMNS.index("attributes")])["gen_ai.request.max_tokens"] == 9
+
+
+def test_codec_edge_cases():
+    assert encode_floats([1e300])[:1] == b"d" and decode(encode_floats([1e300])) == [1e300]  # > float32
+    assert encode_floats([-0.0])[:1] == b"f" and str(decode(encode_floats([-0.0]))[0]) == "-0.0"
+    assert decode(encode_ints([True, 2])) == [1, 2]
+    blob = encode_ints(list(range(300)))
+    assert len(blob) == 1 + 4 * 300 and blob[1:5] == (0).to_bytes(4, "little")
+    for bad in ([1.5], ["7"], [2**70]):
+        with pytest.raises(ValueError, match="integers"):
+            encode_ints(bad)
+    with pytest.raises(ValueError, match="numbers"):
+        encode_floats(["x"])
+
+
+def _batch(recs, prefix: str) -> SpanBatch:
+    return SpanBatch.from_dicts(
+        call_record_to_row(r, trace_id=f"{prefix}{i:031x}", span_id=f"{i:016x}") for i, r in enumerate(recs)
+    )
+
+
+def test_batches_insert_once_and_count_exactly(store: Store):
+    recs = [make_record(i, rollout_id=f"ro-b{i % 3}", weight_version=f"v{i}") for i in range(50)]
+    first = _batch(recs[:30], "a")
+    assert len(first) == 30 and store.insert_spans(first) == 30
+    # re-sent rows mixed with new ones (and a duplicate inside the batch): only the new ones count
+    again = _batch(recs, "a")
+    again.rows.append(again.rows[-1])
+    assert store.insert_spans(again) == 20
+    assert store.insert_spans(again) == 0
+    assert store.insert_spans(SpanBatch()) == 0
+    stored = {c.call_id for ro in ("ro-b0", "ro-b1", "ro-b2") for c in store.list_call_records(ro)}
+    assert stored == {r.call_id for r in recs}
+    assert store.list_call_records("ro-b1")[0].to_dict() == recs[1].to_dict()
+    # the rollout follows the weight version of its latest span, also across batches
+    assert store.get_rollout("ro-b2")["weight_version"] == "v47"
+    later = make_record(99, rollout_id="ro-b2", weight_version="v99")
+    assert store.insert_spans([call_record_to_row(later, trace_id="c" * 32, span_id="d" * 16)]) == 1
+    assert store.get_rollout("ro-b2")["weight_version"] == "v99"
+    with pytest.raises(ValueError, match="lacks"):
+        SpanBatch.from_dicts([{"trace_id": "x"}])
+
+
+def test_spans_table_storage_settings(store: Store):
+    with store.db.engine.connect() as conn:
+        if store.dialect == "sqlite":
+            assert conn.exec_driver_sql("PRAGMA page_size").scalar() == SQLITE_PAGE_SIZE
+        else:
+            opts = conn.exec_driver_sql("SELECT reloptions FROM pg_class WHERE relname = 'spans'").scalar()
+            assert "toast_tuple_target=8160" in opts
+            long_chat = {"model": "m", "messages": [{"role": "user", "content": "count sheep " * 300}]}
+            store.insert_call_records([make_record(0, rollout_id="ro-toast", request=long_chat)])
+            compressed = conn.exec_driver_sql(
+                "SELECT pg_column_size(attributes) < octet_length(attributes::text) FROM spans").scalar()
+            assert compressed is False  # a ~4 KB row stays inline, uncompressed (PostgreSQL's default: > 2 KB)

@@ -6,9 +6,10 @@ Rollouts are realistic multi-turn agent runs: a ~300-token system+task prompt, t
 each emitting ~100 sampled tokens followed by a ~150-token tool result, so prompts grow to ~2,000 ids.
 They are inserted with ``Store.insert_call_records`` (the store's own span rows), then read back the way
 ``GET /api/trajectories`` reads them: a page of rollouts (``list_rollouts``), their CallRecords in one
-query, their reward events (one query per rollout), ``assemble_rollout``, ``check_invariants``. The
-last line assembles records whose ids are ``array('i')`` (what a store could hand out without building
-an int object per token) to show what that would buy.
+query (``arrays=True, with_request=False``: ``array`` token ids, request body not parsed), their reward
+events in one query (``list_events_many``), ``assemble_rollout``, ``check_invariants``, and the JSON
+line the route sends. ``fetch (lists+request)`` is the default read (list ids, full request), for
+comparison.
 
     python benchmarks/assembly.py [--rollouts 100] [--turns 8] [--scale 10] [--system-tokens 300] ...
 """
@@ -19,12 +20,12 @@ import argparse
 import random
 import tempfile
 import time
-from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from tracegym.gateway.assembly import AssemblyOptions, assemble_rollout, check_invariants
+from tracegym.gateway.routes.trajectories import trajectory_json
 from tracegym.gateway.store import Store
 from tracegym.types import CallRecord, ChoiceRecord
 
@@ -100,7 +101,7 @@ def pages(store: Store) -> Iterator[list[dict]]:
             return
 
 
-def run(store: Store, *, events: bool, check: bool) -> tuple[float, float, int]:
+def run(store: Store, *, events: bool, check: bool, json: bool = False) -> tuple[float, float, int]:
     """(total CPU seconds, CPU seconds spent in assembly + checks, spans) for one pass over the store.
     CPU time of this process, not wall time: the machine may be shared, and SQLite runs in-process."""
     opts = AssemblyOptions()
@@ -108,58 +109,39 @@ def run(store: Store, *, events: bool, check: bool) -> tuple[float, float, int]:
     t_asm = 0.0
     t0 = time.process_time()
     for rows in pages(store):
-        calls = store.list_call_records_many([r["rollout_id"] for r in rows])
+        ids = [r["rollout_id"] for r in rows]
+        calls = store.list_call_records_many(ids, arrays=True, with_request=False)
+        evs = store.list_events_many(ids, kind="reward") if events else {}
         for row in rows:
             cs = calls[row["rollout_id"]]
-            evs = store.list_events(row["rollout_id"], kind="reward") if events else []
             a = time.process_time()
-            traj = assemble_rollout(row, cs, evs, opts)
+            traj = assemble_rollout(row, cs, evs.get(row["rollout_id"], []), opts)
             if check:
                 check_invariants(cs, traj)
             t_asm += time.process_time() - a
+            if json:
+                trajectory_json(traj)
             assert len(traj.sequences) == 1
             spans += len(cs)
     return time.process_time() - t0, t_asm, spans
 
 
-def fetch_only(store: Store, rids: list[str]) -> tuple[float, int]:
+def fetch_only(store: Store, rids: list[str], **kw: bool) -> tuple[float, int]:
     t0 = time.process_time()
     n = 0
     for start in range(0, len(rids), PAGE):
-        n += sum(len(v) for v in store.list_call_records_many(rids[start : start + PAGE]).values())
+        n += sum(len(v) for v in store.list_call_records_many(rids[start : start + PAGE], **kw).values())
     return time.process_time() - t0, n
-
-
-def _arrays(calls: list[CallRecord]) -> list[CallRecord]:
-    """The same records with ``array('i')`` ids, as a store could hand them out without ``tolist``."""
-    out = []
-    for c in calls:
-        chs = [replace(ch, output_ids=array("i", ch.output_ids)) for ch in c.choices]
-        out.append(replace(c, prompt_ids=array("i", c.prompt_ids), choices=chs))
-    return out
-
-
-def assemble_arrays(store: Store, rids: list[str]) -> tuple[float, int]:
-    """CPU seconds of assembly alone on array-id records (converted outside the timing)."""
-    opts, total, n = AssemblyOptions(), 0.0, 0
-    for start in range(0, len(rids), PAGE):
-        page = rids[start : start + PAGE]
-        calls = {rid: _arrays(cs) for rid, cs in store.list_call_records_many(page).items()}
-        t0 = time.process_time()
-        for rid in page:
-            assemble_rollout({"rollout_id": rid, "reward": 1.0}, calls[rid], [], opts)
-        total += time.process_time() - t0
-        n += sum(len(cs) for cs in calls.values())
-    return total, n
 
 
 def measure(store: Store, rids: list[str]) -> dict[str, float]:
     """CPU seconds of each measured path over the whole store."""
     r: dict[str, float] = {}
-    r["fetch"], _ = fetch_only(store, rids)
+    r["fetch (lists+request)"], _ = fetch_only(store, rids)
+    r["fetch"], _ = fetch_only(store, rids, arrays=True, with_request=False)
     r["fetch+assemble"], r["assemble"], _ = run(store, events=False, check=False)
     r["fetch+events+assemble+check"], r["assemble+check"], _ = run(store, events=True, check=True)
-    r["assemble (array ids)"], _ = assemble_arrays(store, rids)
+    r["... +json (the route's work)"], _, _ = run(store, events=True, check=True, json=True)
     return r
 
 

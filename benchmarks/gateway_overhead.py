@@ -2,13 +2,19 @@
 in one run, side by side. Prints p50/p99 latency and the added latency at concurrency 1 and 32, and req/s.
 
     python -m benchmarks.gateway_overhead [--store sqlite|none] [--requests 2000] [--op chat|completion]
+                                          [--distinct] [--pin]
 
 Processes: the fake (benchmarks/fake_sglang.py), the gateway (``tracegym serve``, one uvicorn worker,
 uvloop + httptools) and an aiohttp load generator (``loadgen`` mode of this script) each run on their
 own. Direct requests are the ``/generate`` body the gateway itself sends for the same chat call, so the
 difference is the gateway's work: parsing, chat templating + tokenizing, prefix planning, the upstream
 hop, decoding, response building and (with ``--store sqlite``) recording the span.
-Targets: p50 added ≤ 1 ms at c=1; ≥ 2,000 req/s at c=32."""
+``--distinct`` makes every chat request's user message unique (no render/encode cache hits for it: the
+realistic multi-turn case; the default repeats one prompt, like the members of a GRPO group).
+``--pin`` pins the gateway to CPU 0 and the fake and the load generator to CPU 1 (``taskset``), so the
+gateway is one worker on one core. With recording on, the run ends by checking that the store holds one
+span per request sent through the gateway (warm-up included) and exits 1 if not.
+Targets: p50 added ≤ 1 ms at c=1; ≥ 2,000 req/s at c=32; stored spans == requests."""
 
 from __future__ import annotations
 
@@ -29,17 +35,23 @@ MESSAGES = [{"role": "system", "content": "You are a careful math tutor."},
 
 # ---------------------------------------------------------------------------------------- load generator
 
+VARY = b"@@N@@"  # replaced by a request counter in every request (``--distinct``)
+
+
 async def _load(url: str, body: bytes, concurrency: int, n: int, warmup: int) -> dict:
     import aiohttp
 
     lat: list[float] = []
-    errors = 0
+    errors = sent = 0
+    vary = VARY in body
     conn = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=conn) as s:
         async def one(record: bool) -> None:
-            nonlocal errors
+            nonlocal errors, sent
+            sent += 1
+            data = body.replace(VARY, str(sent).encode()) if vary else body
             t0 = time.perf_counter()
-            async with s.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
                 await r.read()
                 if r.status != 200:
                     errors += 1
@@ -55,7 +67,7 @@ async def _load(url: str, body: bytes, concurrency: int, n: int, warmup: int) ->
         await asyncio.gather(*(worker(n // concurrency, True) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     lat.sort()
-    return {"n": len(lat), "errors": errors, "rps": len(lat) / wall, "p50_ms": 1000 * _q(lat, 0.5),
+    return {"n": len(lat), "sent": sent, "errors": errors, "rps": len(lat) / wall, "p50_ms": 1000 * _q(lat, 0.5),
             "p99_ms": 1000 * _q(lat, 0.99), "mean_ms": 1000 * statistics.fmean(lat)}
 
 
@@ -106,10 +118,10 @@ def _start(argv: list[str], health: str, log: Path) -> subprocess.Popen:
     raise TimeoutError(f"{argv} not healthy")
 
 
-def _run_load(url: str, body: dict, concurrency: int, n: int, tmp: Path) -> dict:
+def _run_load(url: str, body: dict, concurrency: int, n: int, tmp: Path, pin: list[str]) -> dict:
     f = tmp / f"body-{abs(hash(url)) % 10_000}.json"
     f.write_text(json.dumps(body))
-    out = subprocess.run([sys.executable, "-m", "benchmarks.gateway_overhead", "loadgen", "--url", url,
+    out = subprocess.run([*pin, sys.executable, "-m", "benchmarks.gateway_overhead", "loadgen", "--url", url,
                           "--body", str(f), "--concurrency", str(concurrency), "--requests", str(n)],
                          capture_output=True, text=True, cwd=REPO, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -121,6 +133,20 @@ def _cpu_seconds(pid: int) -> float:
 
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stored_spans(db: Path, expected: int, timeout: float = 60.0) -> int:
+    """Spans in the SQLite store, polled until ``expected`` are there (recording is asynchronous)."""
+    import sqlite3
+
+    deadline, count = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            count = con.execute("SELECT count(*) FROM spans").fetchone()[0]
+        if count >= expected:
+            return count
+        time.sleep(0.5)
+    return count
 
 
 def _tokenizer_dir(arg: str | None) -> Path:
@@ -141,16 +167,19 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--op", choices=["chat", "completion"], default="chat")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the tiny-random cache)")
+    p.add_argument("--distinct", action="store_true", help="a unique user message in every chat request")
+    p.add_argument("--pin", action="store_true", help="gateway on CPU 0, fake and load generator on CPU 1")
     a = p.parse_args()
+    pin_gw, pin_other = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if a.pin else ([], [])
     tok_dir = _tokenizer_dir(a.tokenizer)
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-"))
     fport, gport = _free_port(), _free_port()
     store = f"sqlite:///{tmp / 'tg.db'}" if a.store == "sqlite" else "none"
     procs = []
     try:
-        procs.append(_start([sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport), "--tokenizer",
+        procs.append(_start([*pin_other, sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport), "--tokenizer",
                              str(tok_dir)], f"http://127.0.0.1:{fport}/health", tmp / "fake.log"))
-        procs.append(_start([sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport), "--upstream",
+        procs.append(_start([*pin_gw, sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport), "--upstream",
                              f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store", store,
                              "--log-level", "warning"], f"http://127.0.0.1:{gport}/healthz", tmp / "gw.log"))
         from tracegym.gateway.templating import ChatTokenizer
@@ -160,19 +189,25 @@ def main() -> None:
         direct = {"input_ids": ids, "rid": "bench", "return_logprob": True, "stream": False,
                   "sampling_params": {"max_new_tokens": 64, "stop_token_ids": tok.eos_token_ids}}
         if a.op == "chat":
-            via, path = {"model": str(tok_dir), "messages": MESSAGES, "max_tokens": 64}, "/v1/chat/completions"
+            messages = MESSAGES
+            if a.distinct:
+                messages = [MESSAGES[0], {"role": "user", "content": f"Request {VARY.decode()}. {MESSAGES[1]['content']}"}]
+            via, path = {"model": str(tok_dir), "messages": messages, "max_tokens": 64}, "/v1/chat/completions"
         else:
             via, path = {"model": str(tok_dir), "prompt": "2+3=", "max_tokens": 64}, "/v1/completions"
         print(f"load average {Path('/proc/loadavg').read_text().split()[0]} on {__import__('os').cpu_count()} cores; "
               f"gateway overhead, op={a.op}, recording={'on (SQLite store)' if a.store == 'sqlite' else 'off'}, "
-              f"{a.requests} requests per point, prompt {len(ids)} tokens")
+              f"{a.requests} requests per point, prompt {len(ids)} tokens"
+              f"{', distinct user messages' if a.distinct else ''}{', pinned (gateway CPU 0, others CPU 1)' if a.pin else ''}")
         print(f"{'c':>3} {'path':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'server CPU us/req':>18}")
+        through = 0
         for c in (1, 32):
             n = a.requests if c > 1 else max(500, a.requests // 4)
             cpu0 = _cpu_seconds(procs[0].pid)
-            d = _run_load(f"http://127.0.0.1:{fport}/generate", direct, c, n, tmp)
+            d = _run_load(f"http://127.0.0.1:{fport}/generate", direct, c, n, tmp, pin_other)
             cpu1, gcpu0 = _cpu_seconds(procs[0].pid), _cpu_seconds(procs[1].pid)
-            g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp)
+            g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp, pin_other)
+            through += g["sent"]
             gcpu1 = _cpu_seconds(procs[1].pid)
             d["cpu_us"] = 1e6 * (cpu1 - cpu0) / (n + 200)  # the fake's CPU (warm-up included)
             g["cpu_us"] = 1e6 * (gcpu1 - gcpu0) / (n + 200)  # the gateway's own CPU
@@ -181,10 +216,19 @@ def main() -> None:
                       f" {r['cpu_us']:>18.0f}")
             print(f"{c:>3} added    p50 {g['p50_ms'] - d['p50_ms']:+.3f} ms, p99 {g['p99_ms'] - d['p99_ms']:+.3f} ms,"
                   f" gateway/direct req/s = {g['rps'] / d['rps']:.2f}")
+        if a.store == "sqlite":
+            stored = _stored_spans(tmp / "tg.db", through)
+            print(f"stored spans {stored} for {through} requests through the gateway (warm-up included): "
+                  f"{'OK' if stored == through else 'MISMATCH'}")
+            ok = stored == through
+        else:
+            ok = True
     finally:
         for pr in procs:
             pr.terminate()
             pr.wait(timeout=15)
+    if not ok:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the trajectory every call choice is trained exactly once or listed in ``excluded
 
 from __future__ import annotations
 
+import struct
 from array import array
 from typing import Any
 
@@ -96,12 +97,71 @@ def _check_sequence(
     return keys
 
 
+class _Packed:
+    """A sequence's token ids as machine integers, packed once per array type on first use, so the
+    prompts and outputs of array records are compared as bytes (``memcmp``), not int by int."""
+
+    def __init__(self, ids: list) -> None:
+        self.ids = ids
+        self._by_type: dict[str, bytes | None] = {}
+
+    def equal(self, values: Any, start: int, end: int) -> bool:
+        """``ids[start:end] == values`` (``values`` a list or an ``array``; None only if empty)."""
+        if not isinstance(values, array) or values.typecode not in "iq":
+            return self.ids[start:end] == (values if values is not None else [])
+        tc = values.typecode
+        if tc not in self._by_type:
+            try:
+                self._by_type[tc] = struct.pack(f"{len(self.ids)}{tc}", *self.ids)
+            except struct.error:  # an id outside this type's range (or not an int): compare as lists
+                self._by_type[tc] = None
+        packed = self._by_type[tc]
+        if packed is None:
+            return self.ids[start:end] == values.tolist()
+        size = values.itemsize
+        return packed[start * size : end * size] == values.tobytes()
+
+
+def _sequence_ok(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]) -> bool:
+    """True when ``seq`` keeps every promise ``_check_sequence`` verifies, checked slice by slice at C
+    speed. Never True for a sequence ``_check_sequence`` rejects; False defers to it for the message
+    (and for retokenized sequences, which it alone checks)."""
+    n = len(seq.token_ids)
+    if len(seq.loss_mask) != n or len(seq.logprobs) != n or seq.retokenized:
+        return False
+    if not seq.call_ids or len(seq.call_ids) != len(seq.choice_indices):
+        return False
+    ids, mask, lps = _Packed(seq.token_ids), seq.loss_mask, seq.logprobs
+    prev_end = 0
+    for key in zip(seq.call_ids, seq.choice_indices, strict=True):
+        found = choices.get(key)
+        if found is None:
+            return False
+        call, choice = found
+        prompt, out = call.prompt_ids, choice.output_ids
+        start = len(prompt) if prompt is not None else 0
+        end = start + (len(out) if out is not None else 0)
+        gap, width = start - prev_end, end - start
+        if gap < 0 or end > n or not ids.equal(prompt, 0, start) or not ids.equal(out, start, end):
+            return False
+        if lps[start:end] != _as_list(choice.output_logprobs) or lps[prev_end:start] != [None] * gap:
+            return False
+        if mask[prev_end:start] != [0] * gap or mask[start:end] != [1] * width:
+            return False
+        prev_end = end
+    return prev_end == n
+
+
 def check_invariants(calls: list[CallRecord], trajectory: Trajectory) -> None:
     """Raise ``InvariantError`` with a precise message if ``trajectory`` breaks a promise about ``calls``."""
     choices = _choices(calls)
     trained: dict[tuple[str, int], int] = {}
     for si, seq in enumerate(trajectory.sequences):
-        for key in _check_sequence(si, seq, choices):
+        if _sequence_ok(seq, choices):
+            keys = list(zip(seq.call_ids, seq.choice_indices, strict=True))
+        else:
+            keys = _check_sequence(si, seq, choices)  # raises with the precise message (or passes)
+        for key in keys:
             if key in trained:
                 raise InvariantError(
                     f"call {key[0]} choice {key[1]} is trained twice (sequences {trained[key]} and {si})"

@@ -41,11 +41,11 @@ class GatewayMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         )
         self._request_children: dict[tuple[str, str, int], Any] = {}
+        self._latency_children: dict[tuple[str, str, str], Any] = {}
         self.upstream_errors = Counter(
             "tracegym_gateway_upstream_errors", "Upstream calls that failed, by HTTP status answered",
             ["kind", "status"], registry=registry,
         )
-
 
     def count_request(self, route: str, method: str, status: int) -> None:
         """``requests.labels(...).inc()`` with the labelled child cached (labels() takes a lock)."""
@@ -54,6 +54,14 @@ class GatewayMetrics:
         if child is None:
             child = self._request_children[key] = self.requests.labels(route, method, str(status))
         child.inc()
+
+    def observe_upstream(self, kind: str, operation: str, stream: bool, seconds: float) -> None:
+        """``upstream_latency.labels(...).observe(seconds)`` with the labelled child cached."""
+        key = (kind, operation, "true" if stream else "false")
+        child = self._latency_children.get(key)
+        if child is None:
+            child = self._latency_children[key] = self.upstream_latency.labels(*key)
+        child.observe(seconds)
 
 
 @dataclass(slots=True)

@@ -51,6 +51,12 @@ class GatewayMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        services: Services | None = getattr(scope["app"].state, "services", None)
+        hot = match_hot_route(scope["method"], scope["path"], self.routes) if services is not None else None
+        await self._counted(hot, services, scope, receive, send)
+
+    async def _counted(self, hot: tuple[Handler, str | None, str] | None, services: Services | None,
+                       scope: Scope, receive: Receive, send: Send) -> None:
         status = 500
 
         async def send_wrapper(message: Message) -> None:
@@ -59,8 +65,6 @@ class GatewayMiddleware:
                 status = message["status"]
             await send(message)
 
-        services: Services | None = getattr(scope["app"].state, "services", None)
-        hot = match_hot_route(scope["method"], scope["path"], self.routes) if services is not None else None
         try:
             if hot is None:
                 await self.app(scope, receive, send_wrapper)
@@ -83,3 +87,18 @@ class GatewayMiddleware:
             response = error_response(500, error_body(f"internal error: {type(e).__name__}: {e}",
                                                       type="server_error"))
         await response(scope, receive, send)
+
+
+class HotFront(GatewayMiddleware):
+    """The same fast path, wrapped around the whole FastAPI ``app`` from outside (``tracegym serve``
+    does): hot routes then also skip Starlette's own middleware stack (error, telemetry and body-limit
+    wrappers, measured at ~7% of the gateway's CPU per call); every other request goes to ``app``
+    untouched, whose inner ``GatewayMiddleware`` counts it."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        services = getattr(self.app.state, "services", None) if scope["type"] == "http" else None
+        hot = match_hot_route(scope["method"], scope["path"], self.routes) if services is not None else None
+        if hot is None:
+            await self.app(scope, receive, send)
+            return
+        await self._counted(hot, services, scope, receive, send)

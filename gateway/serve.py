@@ -99,6 +99,8 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tracegym.gateway.app import create_app
+    from tracegym.gateway.fastpath import HotFront
+    from tracegym.gateway.routes.openai import HOT_ROUTES
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_args(args)
@@ -110,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
             engine.wait_healthy(timeout=float(os.environ.get("TRACEGYM_ENGINE_START_TIMEOUT", "900")))
             upstream, kind = engine.url, "sglang"
         app = create_app(settings_from_args(args, upstream, kind))
-        uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
+        uvicorn.run(HotFront(app, HOT_ROUTES), host=args.host, port=args.port, loop="uvloop", http="httptools",
                     log_level=args.log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,
                     proxy_headers=False)
     finally:

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from tracegym.gateway.store.codec import decode, encode_floats, encode_ints
+from tracegym.gateway.store.codec import decode, decode_array, encode_floats, encode_ints
 from tracegym.gateway.store.span_rows import JSON_NULL, json_text
 from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan
 
@@ -222,8 +222,11 @@ def call_record_to_row(rec: CallRecord, *, trace_id: str, span_id: str, resource
     }
 
 
-def _split(flat: list | None, lens: list[int | None]) -> list[list | None]:
-    out: list[list | None] = []
+def _split(flat: Any, lens: list[int | None]) -> list[Any]:
+    """``flat`` (a list or an array) cut into consecutive pieces of the given lengths (None: no piece)."""
+    if len(lens) == 1 and lens[0] is not None and flat is not None and len(flat) == lens[0]:
+        return [flat]  # the common n=1 call: no copy
+    out: list[Any] = []
     pos = 0
     for n in lens:
         if n is None:
@@ -236,13 +239,15 @@ def _split(flat: list | None, lens: list[int | None]) -> list[list | None]:
     return out
 
 
-def decoded_choices(row: dict) -> list[dict] | None:
-    """Per-choice dicts with decoded output ids and logprobs, or None for a non-LLM span."""
+def decoded_choices(row: dict, *, arrays: bool = False) -> list[dict] | None:
+    """Per-choice dicts with decoded output ids and logprobs (lists, or ``array``s with ``arrays``), or
+    None for a non-LLM span."""
     meta = row["attributes"].get(CHOICES)
     if not isinstance(meta, list):
         return None
-    ids = _split(decode(row["output_ids"]), [c.get("n_output_ids") for c in meta])
-    lps = _split(decode(row["output_logprobs"]), [c.get("n_output_logprobs") for c in meta])
+    dec = decode_array if arrays else decode
+    ids = _split(dec(row["output_ids"]), [c.get("n_output_ids") for c in meta])
+    lps = _split(dec(row["output_logprobs"]), [c.get("n_output_logprobs") for c in meta])
     return [
         {
             "index": c["index"],
@@ -261,40 +266,51 @@ def is_call_row(row: dict) -> bool:
     return isinstance(a.get(CHOICES), list) and isinstance(a.get(REQUEST), dict) and CALL_ID in a
 
 
-def row_to_call_record(row: dict) -> CallRecord:
-    """Rebuild the CallRecord of a gateway span row (``is_call_row``)."""
-    a = row["attributes"]
-    choices = [
-        ChoiceRecord(
-            index=c["index"],
-            output_ids=c["output_ids"],
-            output_logprobs=c["output_logprobs"],
-            finish_reason=c["finish_reason"],
-            message=c["message"],
-            weight_versions=[WeightVersionSpan(v, s, e) for v, s, e in c["weight_versions"]],
-        )
-        for c in decoded_choices(row) or []
+def _choice_records(row: dict, meta: list, arrays: bool) -> list[ChoiceRecord]:
+    dec = decode_array if arrays else decode
+    ids = _split(dec(row["output_ids"]), [c.get("n_output_ids") for c in meta])
+    lps = _split(dec(row["output_logprobs"]), [c.get("n_output_logprobs") for c in meta])
+    return [
+        ChoiceRecord(c["index"], ids[i], lps[i], c.get("finish_reason"), c.get("message"),
+                     [WeightVersionSpan(v, s, e) for v, s, e in c.get("weight_versions") or ()])
+        for i, c in enumerate(meta)
     ]
+
+
+def row_to_call_record(row: dict, *, arrays: bool = False) -> CallRecord:
+    """Rebuild the CallRecord of a gateway span row (``is_call_row``). With ``arrays`` the token ids and
+    logprobs are ``array.array``s (``i``/``q``, ``f``/``d``: bit-exact, no Python object per value), which
+    ``tracegym.gateway.assembly`` works on directly. On the assembly read path: one lookup per field."""
+    a = row["attributes"]
+    get = a.get
+    meta = get(CHOICES)
+    status = row["status"]
+    error = get("tracegym.error")
+    if error is None and "tracegym.error" not in a and status == "error":
+        error = row.get("status_message")
+    upstream = get("tracegym.upstream_kind")
+    if upstream is None and "tracegym.upstream_kind" not in a:
+        upstream = get("gen_ai.system", "")
     return CallRecord(
         call_id=a[CALL_ID],
-        rollout_id=a.get(ROLLOUT_ID) or row.get("rollout_id"),
+        rollout_id=get(ROLLOUT_ID) or row.get("rollout_id"),
         operation=a["gen_ai.operation.name"],
         model=a["gen_ai.request.model"],
-        upstream_kind=a.get("tracegym.upstream_kind", a.get("gen_ai.system", "")),
+        upstream_kind=upstream,
         request=a[REQUEST],
-        choices=choices,
-        prompt_ids=decode(row["prompt_ids"]),
-        task_id=a.get("tracegym.task_id"),
-        agent_name=a.get("tracegym.agent_name"),
-        weight_version=a.get("tracegym.weight_version"),
-        drift=a.get("tracegym.drift", "none"),
-        prefix_len=a.get("tracegym.prefix_len", 0),
-        retokenized=a.get("tracegym.retokenized", False),
-        input_tokens=a.get("gen_ai.usage.input_tokens", 0),
-        output_tokens=a.get("gen_ai.usage.output_tokens", 0),
+        choices=_choice_records(row, meta, arrays) if isinstance(meta, list) else [],
+        prompt_ids=(decode_array if arrays else decode)(row["prompt_ids"]),
+        task_id=get("tracegym.task_id"),
+        agent_name=get("tracegym.agent_name"),
+        weight_version=get("tracegym.weight_version"),
+        drift=get("tracegym.drift", "none"),
+        prefix_len=get("tracegym.prefix_len", 0),
+        retokenized=get("tracegym.retokenized", False),
+        input_tokens=get("gen_ai.usage.input_tokens", 0),
+        output_tokens=get("gen_ai.usage.output_tokens", 0),
         start_time_ns=row["start_time_ns"],
         end_time_ns=row["end_time_ns"],
-        first_token_time_ns=a.get("tracegym.first_token_time_ns"),
-        status="error" if row["status"] == "error" else "ok",
-        error=a.get("tracegym.error", row.get("status_message") if row["status"] == "error" else None),
+        first_token_time_ns=get("tracegym.first_token_time_ns"),
+        status="error" if status == "error" else "ok",
+        error=error,
     )

@@ -28,7 +28,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from tracegym.gateway.encode_cache import SegmentEncoder
+from tracegym.gateway.prompt_cache import BoundedLRU, SegmentEncoder, render_key
 from tracegym.gateway.tools import format_assistant_content, tool_system_section
 
 
@@ -94,7 +94,9 @@ def compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(source)
+    template = env.from_string(source)
+    template.globals = dict(template.globals)  # a ChainMap over env.globals, copied key by key per render
+    return template
 
 
 # ----------------------------------------------------------------------------------------- normalisation
@@ -274,6 +276,9 @@ class ChatTokenizer:
         sources = "".join(templates.values())  # split where the template writes special tokens
         self._encoder = SegmentEncoder(tokenizer, {t: i for t, i in self.split_tokens.items() if t in sources})
         self._native = {name: re.search(r"\btools\b", src) is not None for name, src in templates.items()}
+        # Rendered prompts by their JSON inputs; off for templates that read the clock or a random source.
+        deterministic = not re.search(r"\b(strftime_now|lipsum|random)\b", sources)
+        self._renders = BoundedLRU(max_entries=4096, max_chars=32 * 1024 * 1024) if deterministic else None
         eos = [tokenizer.token_to_id(t) for t in (special_tokens.get("eos_token"), "<|im_end|>") if t]
         ids = [i for i in [*eos, *(extra_eos_ids or [])] if i is not None]
         self._eos_ids = list(dict.fromkeys(ids))
@@ -345,6 +350,17 @@ class ChatTokenizer:
     ) -> str:
         if reserved := {"messages", "tools", "documents"} & kwargs.keys():
             raise ValueError(f"template kwargs cannot override {sorted(reserved)}")
+        key = render_key(messages, tools, add_generation_prompt, tool_choice, kwargs) if self._renders else None
+        if key is not None:
+            text = self._renders.get(key)  # type: ignore[union-attr]
+            if text is None:
+                text = self._render(messages, tools, add_generation_prompt, tool_choice, kwargs)
+                self._renders.put(key, text, len(text))  # type: ignore[union-attr]
+            return text
+        return self._render(messages, tools, add_generation_prompt, tool_choice, kwargs)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool, tool_choice: Any, kwargs: dict[str, Any]) -> str:
         name = self.template_for(tools)
         native = self._native[name]
         msgs, visible_tools = prepare_messages(
@@ -365,7 +381,7 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are matched, none are added. Exactly
         ``tokenizer.encode(text, add_special_tokens=False).ids``, with repeated pieces cached
-        (``encode_cache.SegmentEncoder``)."""
+        (``prompt_cache.SegmentEncoder``)."""
         return self._encoder.encode(text)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:

@@ -45,22 +45,21 @@ def load_tasks(path: Path) -> list[dict[str, Any]]:
 
 @dataclass
 class LoopState:
-    """What a checkpoint must restore besides the model and optimizer."""
+    """What a checkpoint must restore besides the model and optimizer (saved as the checkpoint's extra)."""
 
     step: int = 0
     data_pos: int = 0
+    order: list[int] = field(default_factory=list)
     weight_version: int = 0
     rng_state: Any = None
-    eval_history: list[dict[str, float]] = field(default_factory=list)
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.__dict__, default=list))
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("step", "data_pos", "order", "weight_version", "rng_state")}
 
     @classmethod
-    def load(cls, path: Path) -> LoopState:
-        d = json.loads(path.read_text())
-        st = cls(**d)
-        if st.rng_state is not None:  # json turns the tuple state into lists
+    def from_dict(cls, d: dict[str, Any]) -> LoopState:
+        st = cls(**{k: d[k] for k in ("step", "data_pos", "order", "weight_version", "rng_state")})
+        if st.rng_state is not None:  # JSON turned random's tuple state into lists
             v, internal, g = st.rng_state
             st.rng_state = (v, tuple(internal), g)
         return st
@@ -80,13 +79,13 @@ class Trainer:
             rng.shuffle(self.train_tasks)
             n = min(recipe.data.eval_size, len(self.train_tasks) // 5)
             self.eval_tasks, self.train_tasks = self.train_tasks[:n], self.train_tasks[n:]
-        self.state = LoopState()
         self.rng = random.Random(recipe.data.shuffle_seed)
-        self.order = list(range(len(self.train_tasks)))
-        self.rng.shuffle(self.order)
+        order = list(range(len(self.train_tasks)))
+        self.rng.shuffle(order)
+        self.state = LoopState(order=order)
         self.ckpt_dir = recipe.run_dir / "checkpoint"
-        if resume:
-            self._restore()
+        if resume and not (self.ckpt_dir / "trainer_state.json").is_file():
+            raise RecipeError(f"--resume: no checkpoint in {self.ckpt_dir}")
         self.sinks = MetricSinks(
             recipe.run_dir,
             to_store=lambda step, m: self.ctl.add_metrics(recipe.name, step, m),
@@ -94,36 +93,31 @@ class Trainer:
             wandb_project=recipe.wandb_project,
             run_name=recipe.name,
         )
-        self.progress = Progress(recipe.steps, start_step=self.state.step)
-        from tracegym.trainer.workers import WorkerGroup  # torch/ray imported only here
+        from tracegym.trainer.workers import TrainConfig, WorkerGroup  # torch/ray imported only here
 
         self.workers = WorkerGroup(
             model_dir,
             num_workers=recipe.workers,
-            train_cfg=_train_cfg(recipe),
+            train_cfg=TrainConfig.from_recipe(recipe, total_steps=recipe.steps),
             use_ray=recipe.use_ray or recipe.workers > 1,
         )
-        if resume and (self.ckpt_dir / "loop.json").is_file():
-            self.workers.load_checkpoint(self.ckpt_dir)
+        if resume:
+            self.state = LoopState.from_dict(self.workers.load_checkpoint(self.ckpt_dir))
+            self.rng.setstate(self.state.rng_state)
+            if len(self.state.order) != len(self.train_tasks):
+                raise RecipeError("--resume: the training data changed since the checkpoint was written")
             if self.state.weight_version:
-                self._swap_to_current()
+                self._swap_to_current()  # the upstream may have restarted with the base weights
+        self.progress = Progress(recipe.steps, start_step=self.state.step)
 
     # --- data -------------------------------------------------------------------------------------
-    def _restore(self) -> None:
-        p = self.ckpt_dir / "loop.json"
-        if not p.is_file():
-            raise RecipeError(f"--resume: no checkpoint in {self.ckpt_dir}")
-        self.state = LoopState.load(p)
-        if self.state.rng_state is not None:
-            self.rng.setstate(self.state.rng_state)
-
     def next_tasks(self, n: int) -> list[dict[str, Any]]:
         out = []
         for _ in range(n):
-            if self.state.data_pos >= len(self.order):  # new epoch, new order
+            if self.state.data_pos >= len(self.state.order):  # new epoch, new order
                 self.state.data_pos = 0
-                self.rng.shuffle(self.order)
-            out.append(self.train_tasks[self.order[self.state.data_pos]])
+                self.rng.shuffle(self.state.order)
+            out.append(self.train_tasks[self.state.order[self.state.data_pos]])
             self.state.data_pos += 1
         return out
 
@@ -197,15 +191,12 @@ class Trainer:
             f"eval @ step {self.state.step}: reward {m['reward_mean']:.3f} pass {m['pass_rate']:.2f} "
             f"({len(rewards)}/{n} rollouts, {m['eval_s']:.0f}s)"
         )
-        self.state.eval_history.append({"step": self.state.step, **m})
         return m
 
     # --- the loop ---------------------------------------------------------------------------------
     def checkpoint(self) -> None:
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        self.workers.save_checkpoint(self.ckpt_dir)
         self.state.rng_state = self.rng.getstate()
-        self.state.save(self.ckpt_dir / "loop.json")
+        self.workers.save_checkpoint(self.ckpt_dir, extra=self.state.to_dict())
 
     def run(self) -> dict[str, Any]:
         t_start = time.monotonic()
@@ -288,12 +279,6 @@ def _prune_weights(root: Path, keep: int) -> None:
     )
     for d in dirs[:-keep]:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _train_cfg(recipe: TrainRecipe):
-    from tracegym.trainer.workers import TrainConfig
-
-    return TrainConfig.from_recipe(recipe)
 
 
 def train(recipe: TrainRecipe, *, recipe_dir: Path, resume: bool = False) -> dict[str, Any]:

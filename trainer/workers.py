@@ -89,7 +89,7 @@ class TrainConfig:
             total_steps=total_steps,
             **{k: getattr(o, k) for k in ("weight_decay", "warmup_steps", "grad_clip")},
         )
-        loss_keys = ("clip_low", "clip_high", "agg", "kl_coef", "kl_estimator", "tis_cap")
+        loss_keys = ("clip_low", "clip_high", "agg", "kl_coef", "kl_estimator", "tis_cap", "cispo_clip_low", "cispo_clip_high")
         loss = PolicyLossConfig(name=a.loss, **{k: getattr(a, k) for k in loss_keys})
         return cls(
             optim=optim, loss=loss, micro_batch_tokens=o.micro_batch_tokens, dtype=o.dtype, seed=recipe.seed

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from tracegym.gateway.calls import (
@@ -38,22 +39,27 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over ``limit`` bytes without reading it all."""
-    declared = request.headers.get("content-length")
+    """The request body, refusing (413) anything over ``limit`` bytes without reading it all. Reads the
+    ASGI messages directly (Starlette's ``Request.body``/``stream`` layers cost more than the read)."""
+    declared = next((v for k, v in request.scope["headers"] if k == b"content-length"), None)
     if declared is not None:
         if not declared.isdigit():
             raise bad_request("invalid Content-Length header")
         if int(declared) > limit:
-            raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                              code="request_too_large")
-        return await request.body()
+            raise OpenAIError(413, f"request body of {declared.decode()} bytes exceeds the limit of {limit} "
+                              "bytes", code="request_too_large")
     parts, size = [], 0
-    async for part in request.stream():
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        part = message.get("body", b"")
         size += len(part)
         if size > limit:
             raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         parts.append(part)
-    return b"".join(parts)
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def check_model(svc: Services, model: str) -> None:
@@ -90,8 +96,7 @@ async def run_call(svc: Services, parsed: ParsedRequest, ctx: CallContext, build
     except OpenAIError as e:
         _record_failure(svc, parsed, ctx, prompt, e)
         raise
-    svc.metrics.upstream_latency.labels(svc.upstream.kind, parsed.operation, "false").observe(
-        time.perf_counter() - started)
+    svc.metrics.observe_upstream(svc.upstream.kind, parsed.operation, False, time.perf_counter() - started)
     body, rec = build(svc, parsed, ctx, prompt, result)
     finish_call(svc, ctx, rec)
     return Response(orjson.dumps(body), media_type="application/json")
@@ -108,8 +113,8 @@ async def _start_stream(svc: Services, parsed: ParsedRequest, ctx: CallContext, 
         _record_failure(svc, parsed, ctx, prompt, e)
         raise
     writer = StreamWriter(svc, parsed, ctx, prompt)
-    writer.on_done = lambda: svc.metrics.upstream_latency.labels(
-        svc.upstream.kind, parsed.operation, "true").observe(time.perf_counter() - started)
+    writer.on_done = lambda: svc.metrics.observe_upstream(svc.upstream.kind, parsed.operation, True,
+                                                          time.perf_counter() - started)
     return StreamingResponse(sse_stream(writer, first, events), media_type="text/event-stream",
                              headers=_SSE_HEADERS)
 

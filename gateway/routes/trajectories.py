@@ -91,8 +91,10 @@ def parse_options(q: Query) -> tuple[AssemblyOptions, bool]:
     return opts, _flag(q, "check", True)
 
 
-def _assemble(store: Any, rollout: dict, calls: list, opts: AssemblyOptions, check: bool) -> Trajectory:
-    events = store.list_events(rollout["rollout_id"], kind="reward")
+def _assemble(store: Any, rollout: dict, calls: list, opts: AssemblyOptions, check: bool,
+              events: list[dict] | None = None) -> Trajectory:
+    if events is None:
+        events = store.list_events(rollout["rollout_id"], kind="reward")
     traj = assemble_rollout(rollout, calls, events, opts)
     if check:
         check_invariants(calls, traj)
@@ -115,7 +117,8 @@ async def get_trajectory(rollout_id: str, request: Request) -> Response:
         rollout = store.get_rollout(rollout_id)
         if rollout is None:
             raise OpenAIError(404, f"unknown rollout {rollout_id!r}", param="rollout_id")
-        return trajectory_json(_assemble(store, rollout, store.list_call_records(rollout_id), opts, check))
+        calls = store.list_call_records_many([rollout_id], arrays=True, with_request=False).get(rollout_id, [])
+        return trajectory_json(_assemble(store, rollout, calls, opts, check))
 
     return Response(await run_in_threadpool(work), media_type="application/json")
 
@@ -181,9 +184,12 @@ def _pages(store: Any, q: Query, limit: int | None, page: int) -> Iterator[list[
 def _lines(store: Any, first: list[dict], rest: Iterator[list[dict]], opts: AssemblyOptions, check: bool):
     page: list[dict] | None = first
     while page is not None:
-        calls = store.list_call_records_many([r["rollout_id"] for r in page]) if page else {}
+        ids = [r["rollout_id"] for r in page]
+        calls = store.list_call_records_many(ids, arrays=True, with_request=False) if page else {}
+        events = store.list_events_many(ids, kind="reward") if page else {}
         for row in page:
-            traj = _assemble(store, row, calls.get(row["rollout_id"], []), opts, check)
+            rid = row["rollout_id"]
+            traj = _assemble(store, row, calls.get(rid, []), opts, check, events.get(rid, []))
             yield trajectory_json(traj) + b"\n"
         page = next(rest, None)
 

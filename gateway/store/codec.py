@@ -49,18 +49,24 @@ def encode_floats(xs: Sequence[float]) -> bytes:
     return _packer("d", n).pack(b"d", *xs)
 
 
-def decode(blob: bytes | None) -> list | None:
-    """Inverse of ``encode_ints`` / ``encode_floats``; None stays None."""
+def decode_array(blob: bytes | memoryview | None) -> array | None:
+    """The blob's values as an ``array`` of its own type (``i``/``q``/``f``/``d``), with no Python object per
+    value; None stays None. What the assembly read path hands out: arrays compare and slice at C speed."""
     if blob is None:
         return None
-    blob = bytes(blob)  # PostgreSQL drivers hand back memoryview
     if not blob:
         raise ValueError("empty token array blob (missing type tag)")
     tag = chr(blob[0])
     if tag not in "iqfd":
         raise ValueError(f"unknown token array tag {tag!r} (expected one of i, q, f, d)")
     arr = array(tag)
-    arr.frombytes(blob[1:])
+    arr.frombytes(memoryview(blob)[1:])
     if _BIG_ENDIAN:
         arr.byteswap()
-    return arr.tolist()
+    return arr
+
+
+def decode(blob: bytes | memoryview | None) -> list | None:
+    """Inverse of ``encode_ints`` / ``encode_floats``; None stays None."""
+    arr = decode_array(blob)
+    return None if arr is None else arr.tolist()

@@ -7,13 +7,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from tracegym.gateway.spans import call_record_to_row, decoded_choices, is_call_row, row_to_call_record
+from tracegym.gateway.spans import call_record_to_row, decoded_choices
 from tracegym.gateway.store.codec import decode
 from tracegym.gateway.store.db import Database
 from tracegym.gateway.store.rollouts import ensure_rollouts
 from tracegym.gateway.store.schema import rollouts as R
 from tracegym.gateway.store.schema import spans as S
 from tracegym.gateway.store.span_insert import insert_postgresql, insert_sqlite
+from tracegym.gateway.store.span_reads import read_call_records
 from tracegym.gateway.store.span_rows import SpanBatch
 from tracegym.types import CallRecord
 
@@ -82,10 +83,12 @@ class SpansMixin:
         """The rollout's LLM calls as ``CallRecord``s (bit-exact ids and logprobs), in start order."""
         return self.list_call_records_many([rollout_id]).get(rollout_id, [])
 
-    def list_call_records_many(self, rollout_ids: list[str]) -> dict[str, list[CallRecord]]:
-        """``list_call_records`` for several rollouts in one query (rollouts without calls are absent)."""
-        out: dict[str, list[CallRecord]] = {}
-        for m in self._span_rows(list(rollout_ids)):
-            if is_call_row(m):
-                out.setdefault(m["rollout_id"], []).append(row_to_call_record(m))
-        return out
+    def list_call_records_many(self, rollout_ids: list[str], *, arrays: bool = False,
+                               with_request: bool = True) -> dict[str, list[CallRecord]]:
+        """``list_call_records`` for several rollouts, one raw query per page of rollouts (rollouts
+        without calls are absent). For assembly: ``arrays=True`` hands token ids and logprobs out as
+        ``array.array`` (bit-exact; the ids of one rollout share one type), ``with_request=False`` leaves
+        the request body unread (``request == {}``), see ``span_reads``."""
+        with self.db.read() as conn:
+            return read_call_records(conn.connection.dbapi_connection, self.db.dialect, list(rollout_ids),
+                                     arrays=arrays, with_request=with_request)

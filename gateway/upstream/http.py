@@ -49,10 +49,11 @@ def upstream_errors(url: str, timeout: float) -> Iterator[None]:
 async def check_status(resp: aiohttp.ClientResponse) -> None:
     if resp.status >= 400:
         text = (await resp.read()).decode(errors="replace")[:1000]
-        raise UpstreamRejected(resp.status, _error_message(text))
+        raise UpstreamRejected(resp.status, error_message(text))
 
 
-def _error_message(text: str) -> str:
+def error_message(text: str) -> str:
+    """The message of an upstream's JSON error body (``{"error": {"message": ...}}`` and variants)."""
     try:
         body = orjson.loads(text)
     except orjson.JSONDecodeError:
@@ -77,7 +78,7 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
             return
         event = orjson.loads(data)
         if isinstance(event, dict) and "error" in event and len(event) == 1:
-            raise UpstreamRejected(502, _error_message(data.decode(errors="replace")))
+            raise UpstreamRejected(502, error_message(data.decode(errors="replace")))
         yield event
 
 

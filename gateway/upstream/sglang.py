@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from tracegym.gateway.errors import UpstreamRejected
 from tracegym.gateway.swap import (
     MAX_CONTINUATIONS,
     JoinedChoice,
@@ -42,10 +43,12 @@ from tracegym.gateway.upstream.base import (
     TopLogprob,
     Upstream,
 )
+from tracegym.gateway.upstream.h1pool import H1Pool
 from tracegym.gateway.upstream.http import (
     JSON_HEADERS,
     BackgroundTasks,
     check_status,
+    error_message,
     request_timeout,
     sse_events,
     upstream_errors,
@@ -187,6 +190,9 @@ class SGLangUpstream(Upstream):
         self._timeout = request_timeout(timeout, connect_timeout)
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout)
         self._bg = BackgroundTasks()
+        self._pool = H1Pool(self.base_url, connect_timeout=connect_timeout, read_timeout=timeout) \
+            if self.base_url.startswith("http://") else None
+        """The non-stream ``/generate`` hot path (``h1pool.py``); https and everything else use aiohttp."""
         self.gate = SwapGate()
         """Read to tell swap-aborts (continued) from other aborts; driven by ``swap.SwapCoordinator``."""
 
@@ -226,6 +232,11 @@ class SGLangUpstream(Upstream):
 
     async def _generate_once(self, req: GenerateRequest) -> GenerateResult:
         url = self.base_url + "/generate"
+        if self._pool is not None:
+            status, raw = await self._pool.post_json("/generate", orjson.dumps(generate_payload(req, stream=False)))
+            if status >= 400:
+                raise UpstreamRejected(status, error_message(raw.decode(errors="replace")[:1000]))
+            return parse_generate_response(orjson.loads(raw))
         with upstream_errors(url, self._timeout_s):
             async with self._session.post(
                 url, data=orjson.dumps(generate_payload(req, stream=False)), headers=JSON_HEADERS,
@@ -347,4 +358,6 @@ class SGLangUpstream(Upstream):
             log.warning("abort of %s at %s failed: %s", rid, url, e)
 
     async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
         await self._bg.close()

@@ -59,7 +59,7 @@ def test_train_loop_swaps_weights_and_resumes(tmp_path: Path, tiny_model_dir: Pa
             assert r["swap_s"] > 0
     assert (run / "reward_curve.png").stat().st_size > 1000
     assert "eval reward after" in (run / "summary.md").read_text()
-    assert (run / "checkpoint" / "loop.json").is_file()
+    assert (run / "checkpoint" / "trainer_state.json").is_file()
 
     # Every swap became a weight version, and the final evaluation ran on the last one.
     from tracegym.gateway.store import Store

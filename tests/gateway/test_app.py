@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
 from tests.gateway.test_app_support import (
@@ -20,6 +21,8 @@ from tests.gateway.test_app_support import (
 )
 from tests.procs import ManagedProcess
 from tracegym.gateway.app import create_app
+from tracegym.gateway.fastpath import HotFront
+from tracegym.gateway.routes.openai import HOT_ROUTES
 from tracegym.gateway.settings import GatewaySettings
 from tracegym.gateway.templating import ChatTokenizer
 
@@ -214,6 +217,22 @@ def test_body_too_large_is_413(gw) -> None:
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+def test_chunked_body_without_content_length(gw) -> None:
+    """A body sent chunked (no Content-Length) is read whole, and refused once it passes the limit."""
+    srv, _ = gw
+    ok = orjson.dumps({"model": MODEL, "messages": Q})
+
+    def chunks(data: bytes):
+        for i in range(0, len(data), 7):
+            yield data[i : i + 7]
+
+    r = httpx.post(srv.url + "/v1/chat/completions", content=chunks(ok), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
+    big = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 30_000}]})
+    r = httpx.post(srv.url + "/v1/chat/completions", content=chunks(big), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
 def test_tool_calls_non_stream(tool_gw) -> None:
     srv, rec = tool_gw
     body = _post(srv.url + "/v1/chat/completions", {"model": MODEL, "messages": Q, "tools": [ADD_TOOL]}).json()
@@ -288,3 +307,22 @@ def test_stop_string_is_trimmed_non_stream_and_stream(gw) -> None:
     streamed = calls[chunks[0]["id"]]
     assert streamed.choices[0].message["content"] == expected
     assert streamed.choices[0].output_ids == calls[body["id"]].choices[0].output_ids  # the stop's tokens kept
+
+
+def test_hot_front_as_tracegym_serve_wraps_it(fake: ManagedProcess) -> None:
+    """``tracegym serve`` puts ``HotFront`` outside the app: hot routes (and their errors) answer as
+    before and are counted once; every other route (lifespan, /healthz, /metrics, 404s) is the app's."""
+    rec = MemoryRecorder()
+    app = create_app(GatewaySettings(upstream_url=fake.base_url, model=MODEL, store_url=None), recorder=rec)
+    with ServerThread(HotFront(app, HOT_ROUTES)) as srv:
+        assert httpx.get(srv.url + "/healthz").json()["status"] == "ok"
+        body = _post(srv.url + "/rollouts/r-front/v1/chat/completions", {"model": MODEL, "messages": Q}).json()
+        assert body["choices"][0]["message"]["content"] == REPLY
+        assert body["tracegym"]["rollout_id"] == "r-front"
+        bad = httpx.post(srv.url + "/v1/chat/completions", json={"model": "other", "messages": Q}, timeout=30)
+        assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+        assert httpx.get(srv.url + "/nope").status_code == 404
+        text = httpx.get(srv.url + "/metrics").text
+        route = 'route="/rollouts/{rollout_id}/v1/chat/completions",status="200"} 1.0'
+        assert route in text and 'route="/v1/chat/completions",status="404"} 1.0' in text
+        assert [c.rollout_id for c in rec.wait_for(1)] == ["r-front"]  # the 404 is not a call

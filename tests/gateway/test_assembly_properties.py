@@ -229,3 +229,36 @@ def test_array_token_ids_assemble_exactly_like_lists(calls, opts):
     check_invariants(arrays, as_arrays)
     assert as_arrays == as_lists
     assert all(type(s.token_ids) is list for s in as_arrays.sequences)
+
+
+@SETTINGS
+@given(rollouts(flags=False), st.data())
+def test_check_invariants_catches_any_corruption_of_array_records(calls, data):
+    """The same corruptions, on records with ``array`` ids and float32 logprobs (the store's assembly
+    read): the slice-wise check compares packed machine integers there."""
+    arrays = _as_arrays(calls)
+    for c in arrays:
+        for ch in c.choices:
+            if ch.output_logprobs is not None:
+                ch.output_logprobs = array("f", ch.output_logprobs)
+    traj = assemble(arrays, rollout_id="r")
+    check_invariants(arrays, traj)
+    seqs = [s for s in traj.sequences if s.token_ids]
+    if not seqs:
+        return
+    seq = data.draw(st.sampled_from(seqs))
+    i = data.draw(st.integers(0, len(seq.token_ids) - 1))
+    what = data.draw(st.sampled_from(["mask", "token", "logprob", "big"]))
+    if what == "mask":
+        seq.loss_mask[i] = 1 - seq.loss_mask[i]
+    elif what == "token":
+        seq.token_ids[i] += 1
+    elif what == "big":
+        seq.token_ids[i] += 2**32  # the same id modulo 2**32: must not pass as int32
+    else:
+        seq.logprobs[i] = None if seq.loss_mask[i] else -0.25
+    try:
+        check_invariants(arrays, traj)
+    except InvariantError:
+        return
+    raise AssertionError(f"corrupting {what} at {i} went unnoticed")

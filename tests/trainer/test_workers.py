@@ -4,7 +4,6 @@ into a real ``tracegym engine`` process."""
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,7 +40,6 @@ def group(
     """Two Ray actors and a step-0 checkpoint every test can reset to."""
     import ray
 
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(num_cpus=2, include_dashboard=False)
     g = WorkerGroup(tiny_model_dir, num_workers=2, train_cfg=CFG, use_ray=True)
     start = g.save_checkpoint(tmp_path_factory.mktemp("ckpt") / "step0")

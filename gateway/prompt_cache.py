@@ -1,4 +1,5 @@
-"""Token-exact caching of ``Tokenizer.encode`` for rendered chat prompts.
+"""Exact caches for the prompt path: rendered chat prompts (``render_key``) and ``Tokenizer.encode``
+of their pieces (``SegmentEncoder``).
 
 A fast tokenizer first splits its input on added tokens, then normalizes, pre-tokenizes and runs the
 model on each piece between them on its own. So for a special token that always splits (not
@@ -21,7 +22,9 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
+import orjson
 from tokenizers import Tokenizer
 
 _PROBE_TEXTS = ("", " ", "\n", "  \n\t", "a", " hi ", "x\n\n", "é ü 漢字 🙂", "\u200b", "'s", "12 34")
@@ -61,12 +64,69 @@ def segmentable(tokenizer: Tokenizer, split_tokens: dict[str, int]) -> bool:
     return True
 
 
+def render_key(messages: Any, tools: Any, add_generation_prompt: bool, tool_choice: Any,
+               kwargs: dict[str, Any]) -> bytes | None:
+    """A chat render's inputs as JSON (key order kept: templates may iterate dicts), or None when they are
+    not plain JSON values (then the render is not cached). The inputs come from parsed JSON, so two keys
+    are equal exactly when the inputs are (NaN, which would serialize as null, cannot occur in them)."""
+    try:
+        return orjson.dumps([messages, tools, add_generation_prompt, tool_choice, kwargs])
+    except TypeError:
+        return None
+
+
+class BoundedLRU:
+    """A thread-safe LRU of str/bytes keys, bounded by entries and by the total length of keys and values
+    (a pair longer than ``max_chars // 16`` is not kept)."""
+
+    def __init__(self, *, max_entries: int, max_chars: int) -> None:
+        if max_entries < 1 or max_chars < 1:
+            raise ValueError("max_entries and max_chars must be >= 1")
+        self.max_entries = max_entries
+        self.max_chars = max_chars
+        self._max_item = max(1, max_chars // 16)
+        self._data: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.chars = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __bool__(self) -> bool:  # an empty cache is still a cache
+        return True
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            hit = self._data.get(key)
+            if hit is None:
+                self.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.hits += 1
+            return hit[0]
+
+    def put(self, key: Any, value: Any, size: int) -> None:
+        """Keep ``value`` under ``key``; ``size`` counts toward ``max_chars`` (with the key's length)."""
+        size += len(key)
+        if size > self._max_item:
+            return
+        with self._lock:
+            if key in self._data:
+                return
+            self._data[key] = (value, size)
+            self.chars += size
+            while len(self._data) > self.max_entries or self.chars > self.max_chars:
+                _, (_, old) = self._data.popitem(last=False)
+                self.chars -= old
+
+
 class SegmentEncoder:
     """``encode(text) == tokenizer.encode(text, add_special_tokens=False).ids``, cached.
 
     With ``pieces`` (see ``segmentable``) the text pieces between split tokens are cached; else whole
-    texts are. Bounded: at most ``max_entries`` entries and ``max_chars`` characters of keys (least
-    recently used first out); a text longer than ``max_chars // 16`` is encoded but not cached.
+    texts are, in a ``BoundedLRU`` (a text longer than ``max_chars // 16`` is encoded but not kept).
     Thread-safe (the cache is updated under a lock; tokenizing runs outside it)."""
 
     def __init__(
@@ -78,24 +138,15 @@ class SegmentEncoder:
         max_entries: int = 16_384,
         max_chars: int = 16 * 1024 * 1024,
     ) -> None:
-        if max_entries < 1 or max_chars < 1:
-            raise ValueError("max_entries and max_chars must be >= 1")
         self._tok = tokenizer
         self._ids = dict(split_tokens)
         self.pieces = segmentable(tokenizer, split_tokens) if pieces is None else pieces
         alternatives = "|".join(re.escape(t) for t in sorted(self._ids, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})").split if self.pieces and self._ids else None
-        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._chars = 0
-        self.max_entries = max_entries
-        self.max_chars = max_chars
-        self._max_key = max(1, max_chars // 16)
-        self.hits = 0
-        self.misses = 0
+        self.cache = BoundedLRU(max_entries=max_entries, max_chars=max_chars)
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return len(self.cache)
 
     def encode(self, text: str) -> list[int]:
         if self._split is None:
@@ -109,21 +160,8 @@ class SegmentEncoder:
         return ids
 
     def _cached(self, text: str) -> tuple[int, ...]:
-        cache = self._cache
-        with self._lock:
-            hit = cache.get(text)
-            if hit is not None:
-                cache.move_to_end(text)
-                self.hits += 1
-                return hit
-            self.misses += 1
-        ids = tuple(self._tok.encode(text, add_special_tokens=False).ids)
-        if len(text) <= self._max_key:
-            with self._lock:
-                if text not in cache:
-                    cache[text] = ids
-                    self._chars += len(text)
-                while len(cache) > self.max_entries or self._chars > self.max_chars:
-                    old, _ = cache.popitem(last=False)
-                    self._chars -= len(old)
+        ids = self.cache.get(text)
+        if ids is None:
+            ids = tuple(self._tok.encode(text, add_special_tokens=False).ids)
+            self.cache.put(text, ids, len(ids))
         return ids

@@ -1,0 +1,124 @@
+"""The read path of the assembly: CallRecords of many rollouts from one raw DBAPI query per page.
+
+Why not SQLAlchemy Core here: per-row ``Row``/mapping work and parsing every JSON column (resource,
+events) cost more than the query itself. This selects only the columns a CallRecord needs, reads the
+attributes as raw JSON text and parses it once with orjson, and can hand the token arrays out as
+``array.array`` (``arrays=True``: no Python int per prompt token).
+
+``with_request=False`` skips the request body (``tracegym.request``, the messages: most of a call's
+attributes) without parsing it, for spans the gateway itself wrote (``source = 'gateway'``): their
+attributes are written in a fixed key order in which the request object is immediately followed by
+``tracegym.choices`` and every other top-level value is a scalar or a list of scalars. Two facts make
+cutting the text safe: inside a JSON string every ``"`` is escaped, so ``,"tracegym.request":{`` and
+``,"tracegym.choices":[`` can only be object keys, never string content; and the first request key and
+the last choices key of such a row are the top-level ones (the request, the only object before them, may
+hold keys of those names, but it lies between them). The cut text must still parse and carry the call's
+keys; anything else (another writer's key order) falls back to the full parse. Such records have
+``request == {}``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import orjson
+
+from tracegym.gateway.spans import CALL_ID, CHOICES, REQUEST, is_call_row, row_to_call_record
+from tracegym.types import CallRecord
+
+PAGE_IDS = 500
+"""Rollout ids per query (well under SQLite's bound-parameter limit)."""
+SQLITE_MMAP_BYTES = 1 << 30
+"""SQLite reads the store through a memory map of up to this size: page reads without a ``pread`` and a
+copy each, so a store larger than the page cache reads as fast per row as a small one."""
+_COLUMNS = ("rollout_id", "source", "start_time_ns", "end_time_ns", "status", "status_message",
+            "attributes", "prompt_ids", "output_ids", "output_logprobs")
+_REQ = (b',"' + REQUEST.encode() + b'":{', ',"' + REQUEST + '":{')
+_CHO = (b',"' + CHOICES.encode() + b'":[', ',"' + CHOICES + '":[')
+
+
+def select_sql(dialect: str, n_ids: int) -> str:
+    """The page query: the columns of ``_COLUMNS`` (attributes as raw JSON text) of the spans of ``n_ids``
+    rollouts, ordered by rollout, start time, insertion."""
+    if dialect == "postgresql":
+        cols = ", ".join("attributes::text" if c == "attributes" else c for c in _COLUMNS)
+        where = "rollout_id = ANY(%s)"
+    else:
+        cols = ", ".join("CAST(attributes AS BLOB)" if c == "attributes" else c for c in _COLUMNS)
+        where = f"rollout_id IN ({','.join('?' * n_ids)})"
+    return f"SELECT {cols} FROM spans WHERE {where} ORDER BY rollout_id, start_time_ns, id"
+
+
+def attributes_without_request(text: bytes | str) -> dict[str, Any] | None:
+    """A gateway span's attributes parsed without its request body (``REQUEST`` set to ``{}``), or None
+    when the text is not laid out as the gateway writes it (see the module docstring)."""
+    k = 0 if isinstance(text, bytes) else 1
+    i = text.find(_REQ[k])  # type: ignore[arg-type]
+    j = text.rfind(_CHO[k])  # type: ignore[arg-type]
+    if i < 0 or j < i:
+        return None
+    try:
+        attrs = orjson.loads(text[:i] + text[j:])
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(attrs, dict) or REQUEST in attrs or CALL_ID not in attrs:
+        return None
+    if not isinstance(attrs.get(CHOICES), list):
+        return None
+    attrs[REQUEST] = {}
+    return attrs
+
+
+def _attributes(source: str, text: bytes | str, with_request: bool) -> Any:
+    if not with_request and source == "gateway":
+        attrs = attributes_without_request(text)
+        if attrs is not None:
+            return attrs
+    return orjson.loads(text)
+
+
+def _widen(calls: list[CallRecord]) -> None:
+    """Make every id array of a rollout ``q`` when one of them is (arrays of one type concatenate)."""
+    def q(a: Any) -> Any:
+        return array("q", a) if a is not None and a.typecode == "i" else a
+
+    for c in calls:
+        c.prompt_ids = q(c.prompt_ids)
+        for ch in c.choices:
+            ch.output_ids = q(ch.output_ids)
+
+
+def _has_q(calls: list[CallRecord]) -> bool:
+    return any(
+        (c.prompt_ids is not None and c.prompt_ids.typecode == "q")
+        or any(ch.output_ids is not None and ch.output_ids.typecode == "q" for ch in c.choices)
+        for c in calls
+    )
+
+
+def read_call_records(raw: Any, dialect: str, rollout_ids: list[str], *, arrays: bool,
+                      with_request: bool) -> dict[str, list[CallRecord]]:
+    """``{rollout_id: [CallRecord, ...]}`` in start order (rollouts without calls are absent), read on
+    the raw DBAPI connection ``raw`` inside the caller's transaction, ``PAGE_IDS`` rollouts per query."""
+    out: dict[str, list[CallRecord]] = {}
+    cur = raw.cursor()
+    try:
+        if dialect == "sqlite":
+            cur.execute(f"PRAGMA mmap_size = {SQLITE_MMAP_BYTES}")
+        for start in range(0, len(rollout_ids), PAGE_IDS):
+            page = rollout_ids[start : start + PAGE_IDS]
+            params = (page,) if dialect == "postgresql" else page
+            cur.execute(select_sql(dialect, len(page)), params)
+            for values in cur.fetchall():
+                row = dict(zip(_COLUMNS, values, strict=True))
+                row["attributes"] = _attributes(row["source"], row["attributes"], with_request)
+                if is_call_row(row):
+                    out.setdefault(row["rollout_id"], []).append(row_to_call_record(row, arrays=arrays))
+    finally:
+        cur.close()
+    if arrays:
+        for calls in out.values():
+            if _has_q(calls):
+                _widen(calls)
+    return out

@@ -1,0 +1,120 @@
+"""The assembly read path of the store (SQLite and PostgreSQL): CallRecords with ``array`` token ids and
+without the request body equal the default read, request-cutting is exact or falls back, and events of
+many rollouts come in one call."""
+
+from __future__ import annotations
+
+from array import array
+
+import orjson
+import pytest
+
+from tests.gateway.test_store_helpers import make_record
+from tracegym.gateway.spans import CHOICES, REQUEST, call_record_store_row
+from tracegym.gateway.store import Store
+from tracegym.gateway.store.span_reads import attributes_without_request
+from tracegym.gateway.store.span_rows import json_text
+from tracegym.types import CallRecord
+
+TRICKY = ',"tracegym.choices":[{"x":1}],"tracegym.request":{"y":2}'
+
+
+@pytest.fixture
+def store(store_url: str):
+    s = Store.open(store_url)
+    yield s
+    s.close()
+
+
+def _as_lists(rec: CallRecord) -> dict:
+    d = rec.to_dict()
+    d["prompt_ids"] = None if rec.prompt_ids is None else rec.prompt_ids.tolist()
+    for ch, cd in zip(rec.choices, d["choices"], strict=True):
+        cd["output_ids"] = None if ch.output_ids is None else ch.output_ids.tolist()
+        cd["output_logprobs"] = None if ch.output_logprobs is None else ch.output_logprobs.tolist()
+    return d
+
+
+def _records() -> list[CallRecord]:
+    recs = [
+        make_record(0),
+        make_record(1, n=3),
+        make_record(2, status="error", error="boom", first_token_time_ns=None),
+        make_record(3, prompt_ids=None, retokenized=True, weight_version=None, agent_name=None),
+        make_record(0, rollout_id="ro-2"),
+        make_record(1, rollout_id="ro-2", prompt_ids=[2**40, 5]),  # int64 ids in one call of ro-2
+    ]
+    recs[3].choices[0].output_ids = None
+    recs[3].choices[0].output_logprobs = None
+    # a request holding the very keys and texts the request cut looks for
+    recs[0].request["messages"][0]["content"] = TRICKY + ' \\",' + TRICKY.replace('"', '\\"')
+    recs[0].request["extra_body"] = {"tracegym.choices": [1], "tracegym.request": {"z": [TRICKY]}}
+    return recs
+
+
+def test_array_read_without_request_equals_the_default_read(store: Store):
+    recs = _records()
+    store.insert_call_records(recs)
+    full = store.list_call_records_many(["ro-1", "ro-2", "ro-none"])
+    fast = store.list_call_records_many(["ro-1", "ro-2", "ro-none"], arrays=True, with_request=False)
+    assert full.keys() == fast.keys() == {"ro-1", "ro-2"}
+    assert [c.to_dict() for c in full["ro-1"]] == [r.to_dict() for r in recs[:4]]
+    for rid in full:
+        for f, a in zip(full[rid], fast[rid], strict=True):
+            assert a.request == {}
+            assert _as_lists(a) == {**f.to_dict(), "request": {}}
+    assert fast["ro-1"][0].prompt_ids.typecode == "i"
+    # one int64 prompt widens every id array of its rollout to int64 (arrays of one type concatenate)
+    assert {c.prompt_ids.typecode for c in fast["ro-2"]} == {"q"}
+    assert {ch.output_ids.typecode for c in fast["ro-2"] for ch in c.choices} == {"q"}
+    with_request = store.list_call_records_many(["ro-1"], arrays=True)
+    assert [c.request for c in with_request["ro-1"]] == [r.request for r in recs[:4]]
+
+
+def _stored_attributes(rec: CallRecord) -> str:
+    row = call_record_store_row(rec, trace_id="t" * 32, span_id="s" * 16, resource_json="null",
+                                start_time_ns=1, end_time_ns=2)
+    return row[12]
+
+
+def test_request_cut_is_exact_or_declines():
+    rec = _records()[0]
+    text = _stored_attributes(rec)
+    full = orjson.loads(text)
+    for form in (text, text.encode()):
+        cut = attributes_without_request(form)
+        assert cut == {**full, REQUEST: {}}
+    # another writer's key order (choices before the request): declined, the full parse is used instead
+    reordered = {CHOICES: full[CHOICES], **{k: v for k, v in full.items() if k != CHOICES}}
+    assert attributes_without_request(json_text(reordered)) is None
+    assert attributes_without_request(json_text({k: v for k, v in full.items() if k != REQUEST})) is None
+
+
+def test_events_of_many_rollouts(store: Store):
+    store.add_reward("ro-a", 1.0, idempotency_key="k1")
+    store.add_event("ro-a", kind="event", idempotency_key="k2", value={"ok": True})
+    store.add_reward("ro-b", 0.5, idempotency_key="k1", name="step", call_index=0)
+    store.add_reward("ro-a", 0.25, idempotency_key="k3", name="late")
+    many = store.list_events_many(["ro-a", "ro-b", "ro-c"], kind="reward")
+    assert many == {rid: store.list_events(rid, kind="reward") for rid in ("ro-a", "ro-b")}
+    assert [e["value"] for e in many["ro-a"]] == [1.0, 0.25]
+    assert store.list_events_many(["ro-a"]) == {"ro-a": store.list_events("ro-a")}
+    with pytest.raises(ValueError, match="event kind"):
+        store.list_events_many(["ro-a"], kind="nope")
+
+
+def test_array_records_assemble_to_the_same_trajectory_json(store: Store):
+    from tracegym.gateway.assembly import assemble, check_invariants
+
+    prompt, recs = [1, 2, 3], []
+    for i in range(4):
+        rec = make_record(i, prompt_ids=list(prompt))
+        recs.append(rec)
+        prompt = prompt + rec.choices[0].output_ids + [7, 8]
+    store.insert_call_records(recs)
+    lists = store.list_call_records("ro-1")
+    arrays = store.list_call_records_many(["ro-1"], arrays=True, with_request=False)["ro-1"]
+    assert isinstance(arrays[0].prompt_ids, array)
+    a, b = assemble(lists, rollout_id="ro-1"), assemble(arrays, rollout_id="ro-1")
+    check_invariants(arrays, b)
+    assert len(b.sequences) == 1 and orjson.dumps(a) == orjson.dumps(b)

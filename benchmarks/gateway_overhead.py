@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tracegym.procs import free_port, start_process
+
 REPO = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "system", "content": "You are a careful math tutor."},
             {"role": "user", "content": "What is 2+3? Answer with one short sentence."}]
@@ -91,33 +93,6 @@ def loadgen_main(argv: list[str]) -> None:
 
 # ---------------------------------------------------------------------------------------------- driver
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(argv: list[str], health: str, log: Path) -> subprocess.Popen:
-    import httpx
-
-    proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
-                            start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{argv} exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(health, timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError(f"{argv} not healthy")
-
-
 def _run_load(url: str, body: dict, concurrency: int, n: int, tmp: Path, pin: list[str]) -> dict:
     f = tmp / f"body-{abs(hash(url)) % 10_000}.json"
     f.write_text(json.dumps(body))
@@ -173,15 +148,17 @@ def main() -> None:
     pin_gw, pin_other = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if a.pin else ([], [])
     tok_dir = _tokenizer_dir(a.tokenizer)
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-"))
-    fport, gport = _free_port(), _free_port()
+    fport, gport = free_port(), free_port()
     store = f"sqlite:///{tmp / 'tg.db'}" if a.store == "sqlite" else "none"
     procs = []
     try:
-        procs.append(_start([*pin_other, sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport), "--tokenizer",
-                             str(tok_dir)], f"http://127.0.0.1:{fport}/health", tmp / "fake.log"))
-        procs.append(_start([*pin_gw, sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport), "--upstream",
-                             f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store", store,
-                             "--log-level", "warning"], f"http://127.0.0.1:{gport}/healthz", tmp / "gw.log"))
+        procs.append(start_process([*pin_other, sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport),
+                                    "--tokenizer", str(tok_dir)], port=fport, health_path="/health",
+                                   log_path=tmp / "fake.log", cwd=REPO, timeout=120))
+        procs.append(start_process([*pin_gw, sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport),
+                                    "--upstream", f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store",
+                                    store, "--log-level", "warning"], port=gport, health_path="/healthz",
+                                   log_path=tmp / "gw.log", cwd=REPO, timeout=120))
         from tracegym.gateway.templating import ChatTokenizer
 
         tok = ChatTokenizer.from_dir(tok_dir)
@@ -203,12 +180,12 @@ def main() -> None:
         through = 0
         for c in (1, 32):
             n = a.requests if c > 1 else max(500, a.requests // 4)
-            cpu0 = _cpu_seconds(procs[0].pid)
+            cpu0 = _cpu_seconds(procs[0].proc.pid)
             d = _run_load(f"http://127.0.0.1:{fport}/generate", direct, c, n, tmp, pin_other)
-            cpu1, gcpu0 = _cpu_seconds(procs[0].pid), _cpu_seconds(procs[1].pid)
+            cpu1, gcpu0 = _cpu_seconds(procs[0].proc.pid), _cpu_seconds(procs[1].pid)
             g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp, pin_other)
             through += g["sent"]
-            gcpu1 = _cpu_seconds(procs[1].pid)
+            gcpu1 = _cpu_seconds(procs[1].proc.pid)
             d["cpu_us"] = 1e6 * (cpu1 - cpu0) / (n + 200)  # the fake's CPU (warm-up included)
             g["cpu_us"] = 1e6 * (gcpu1 - gcpu0) / (n + 200)  # the gateway's own CPU
             for name, r in (("direct", d), ("gateway", g)):
@@ -225,8 +202,7 @@ def main() -> None:
             ok = True
     finally:
         for pr in procs:
-            pr.terminate()
-            pr.wait(timeout=15)
+            pr.stop()
     if not ok:
         raise SystemExit(1)
 

@@ -8,73 +8,13 @@ SIGTERM if this process dies, via PR_SET_PDEATHSIG on Linux) and is stopped when
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-
-import httpx
 
 from tracegym.gateway.settings import GatewaySettings
+from tracegym.procs import free_port, start_process
 
 log = logging.getLogger("tracegym.gateway")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the gateway process dies (Linux only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
-
-
-class EngineProcess:
-    """The embedded engine as a child process on ``port``."""
-
-    def __init__(self, model: str, port: int, log_level: str) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "tracegym.cli", "engine", "--model", model, "--port", str(port),
-                "--log-level", log_level]
-        self.proc = subprocess.Popen(argv, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the embedded engine exited with code {self.proc.returncode} before it "
-                                   "became healthy (see its output above)")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"the embedded engine at {self.url} was not healthy after {timeout:g}s")
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
-        except ProcessLookupError:
-            return
 
 
 def settings_from_args(args: argparse.Namespace, upstream_url: str | None, kind: str) -> GatewaySettings:
@@ -108,9 +48,13 @@ def main(args: argparse.Namespace) -> int:
     upstream, kind = args.upstream, args.upstream_kind
     try:
         if args.engine == "embedded":
-            engine = EngineProcess(args.model, args.engine_port or _free_port(), args.log_level)
-            engine.wait_healthy(timeout=float(os.environ.get("TRACEGYM_ENGINE_START_TIMEOUT", "900")))
-            upstream, kind = engine.url, "sglang"
+            port = args.engine_port or free_port()
+            engine = start_process(
+                ["tracegym", "engine", "--model", args.model, "--port", str(port), "--log-level", args.log_level],
+                port=port, log_path=None, health_path="/health", name="the embedded engine",
+                timeout=float(os.environ.get("TRACEGYM_ENGINE_START_TIMEOUT", "900")),
+            )
+            upstream, kind = engine.base_url, "sglang"
         app = create_app(settings_from_args(args, upstream, kind))
         uvicorn.run(HotFront(app, HOT_ROUTES), host=args.host, port=args.port, loop="uvloop", http="httptools",
                     log_level=args.log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,

@@ -6,6 +6,7 @@ runner) and the tests. httpx + stdlib only.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -23,16 +24,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux), so no child outlives us."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+
+
 class ManagedProcess:
     """A child process in its own process group, its output in a log file."""
 
-    def __init__(self, proc: subprocess.Popen, log_path: Path, base_url: str, name: str = "") -> None:
+    def __init__(self, proc: subprocess.Popen, log_path: Path | None, base_url: str, name: str = "") -> None:
         self.proc = proc
         self.log_path = log_path
         self.base_url = base_url
         self.name = name or str(proc.args)
 
     def log(self, tail: int = 6000) -> str:
+        if self.log_path is None:
+            return "(its output went to this process's stdout)"
         try:
             return self.log_path.read_text(errors="replace")[-tail:]
         except OSError:
@@ -70,7 +81,7 @@ def start_process(
     args: list[str],
     *,
     port: int | None,
-    log_path: Path,
+    log_path: Path | None,
     health_path: str = "/health",
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
@@ -78,19 +89,23 @@ def start_process(
     name: str = "",
 ) -> ManagedProcess:
     """Start ``args`` (``tracegym ...`` runs this interpreter's CLI) and wait until ``health_path`` on
-    ``port`` answers 200 (no wait when ``port`` is None). Raises with the child's log on failure."""
+    ``port`` answers 200 (no wait when ``port`` is None). The child's output goes to ``log_path`` (or to
+    our stdout when None); it runs in its own process group and gets SIGTERM if we die. Raises with the
+    child's log on failure."""
     argv = tracegym_argv(args)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-            cwd=cwd,
-        )
+    popen = {
+        "stdin": subprocess.DEVNULL,
+        "start_new_session": True,
+        "env": {**os.environ, **(env or {})},
+        "cwd": cwd,
+        "preexec_fn": _die_with_parent if sys.platform == "linux" else None,
+    }
+    if log_path is None:
+        proc = subprocess.Popen(argv, **popen)
+    else:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, **popen)
     mp = ManagedProcess(proc, log_path, f"http://127.0.0.1:{port}" if port else "", name)
     if port is None:
         return mp

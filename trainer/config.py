@@ -92,7 +92,7 @@ class UpstreamConfig(_Section):
     url: str | None = Field(None, description="An SGLang server URL; unset = start the embedded engine.")
     kind: Literal["sglang", "openai", "litellm"] = "sglang"
     engine_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="Embedded engine compute dtype."
+        "bfloat16", description="Embedded engine compute dtype, and the dtype of the weight files each swap pushes."
     )
     max_batch_size: int = Field(32, ge=1, description="Embedded engine: requests decoded together.")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,85 +30,55 @@ class Infra:
             p.stop()
 
 
+def _engine_argv(recipe: TrainRecipe, model_dir: Path, port: int) -> list[str]:
+    up = recipe.upstream
+    return ["tracegym", "engine", "--model", str(model_dir), "--port", str(port), "--dtype", up.engine_dtype,
+            "--max-batch-size", str(up.max_batch_size), "--weight-version", "0"]  # fmt: skip
+
+
 @contextlib.contextmanager
-def start_infra(recipe: TrainRecipe, model_dir: Path, recipe_dir: Path):
+def start_infra(recipe: TrainRecipe, model_dir: Path, recipe_dir: Path) -> Iterator[Infra]:
     """Yield an ``Infra`` with every service the recipe needs running; stop what was started on exit."""
     logs = recipe.run_dir / "logs"
     infra = Infra(gateway_url=recipe.gateway_url or "", upstream_url=recipe.upstream.url or "")
+    served_model = recipe.model  # a name the gateway resolves (tracegym.models) or a local directory
     try:
         if not infra.upstream_url:
             port = free_port()
+            # sync mode: generation and training take turns, so the engine may use every core
+            threads = {"TRACEGYM_ENGINE_THREADS": str(os.cpu_count() or 1)} if recipe.mode == "sync" else None
             infra.procs.append(
                 start_process(
-                    [
-                        "tracegym",
-                        "engine",
-                        "--model",
-                        str(model_dir),
-                        "--port",
-                        str(port),
-                        "--dtype",
-                        recipe.upstream.engine_dtype,
-                        "--max-batch-size",
-                        str(recipe.upstream.max_batch_size),
-                        "--weight-version",
-                        "0",
-                    ],
+                    _engine_argv(recipe, model_dir, port),
                     port=port,
                     log_path=logs / "engine.log",
                     health_path="/health",
                     name="embedded engine",
+                    env=threads,
                 )
             )
             infra.upstream_url = f"http://127.0.0.1:{port}"
         if not infra.gateway_url:
             port = free_port()
+            argv = ["tracegym", "serve", "--port", str(port), "--upstream", infra.upstream_url,
+                    "--upstream-kind", recipe.upstream.kind, "--model", served_model, "--store", recipe.store]  # fmt: skip
             infra.procs.append(
                 start_process(
-                    [
-                        "tracegym",
-                        "serve",
-                        "--port",
-                        str(port),
-                        "--upstream",
-                        infra.upstream_url,
-                        "--upstream-kind",
-                        recipe.upstream.kind,
-                        "--model",
-                        str(model_dir),
-                        "--store",
-                        recipe.store,
-                    ],
-                    port=port,
-                    log_path=logs / "gateway.log",
-                    health_path="/healthz",
-                    name="gateway",
+                    argv, port=port, log_path=logs / "gateway.log", health_path="/healthz", name="gateway"
                 )
             )
             infra.gateway_url = f"http://127.0.0.1:{port}"
         if not recipe.agent.external:
+            a = recipe.agent
+            argv = ["tracegym", "run", a.target, "--gateway", infra.gateway_url,
+                    "--concurrency", str(a.concurrency), "--lease-seconds", str(a.lease_seconds)]  # fmt: skip
+            env = {
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(recipe_dir), os.environ.get("PYTHONPATH")])),
+                "TRACEGYM_MODEL": served_model,  # the model name agents put in their requests
+            }
             infra.procs.append(
                 start_process(
-                    [
-                        "tracegym",
-                        "run",
-                        recipe.agent.target,
-                        "--gateway",
-                        infra.gateway_url,
-                        "--concurrency",
-                        str(recipe.agent.concurrency),
-                        "--lease-seconds",
-                        str(recipe.agent.lease_seconds),
-                    ],
-                    port=None,
-                    log_path=logs / "runner.log",
-                    cwd=recipe_dir,
-                    name="runner",
-                    env={
-                        "PYTHONPATH": os.pathsep.join(
-                            filter(None, [str(recipe_dir), os.environ.get("PYTHONPATH")])
-                        )
-                    },
+                    argv, port=None, log_path=logs / "runner.log", cwd=recipe_dir, name="runner", env=env
                 )
             )
         yield infra

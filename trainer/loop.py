@@ -9,8 +9,8 @@ async: runners never stop; the queue is kept ``2 × batch_size`` groups deep and
 from __future__ import annotations
 
 import argparse
-import json
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,18 +26,15 @@ from tracegym.trainer.progress import MetricSinks, Progress, plot_rewards, read_
 
 
 def load_tasks(path: Path) -> list[dict[str, Any]]:
-    """JSONL → tasks ``{"task_id"?, "input"}``; a line without ``input`` is itself the input."""
+    """The recipe's JSONL tasks (the same format as ``tracegym enqueue``), with recipe-level errors."""
+    from tracegym.runner import read_tasks
+
     if not path.is_file():
         raise RecipeError(f"dataset not found: {path}")
-    tasks = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RecipeError(f"{path}:{n}: not JSON: {e}") from None
-        tasks.append(obj if isinstance(obj, dict) and "input" in obj else {"input": obj})
+    try:
+        tasks = read_tasks(path)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
     if not tasks:
         raise RecipeError(f"dataset is empty: {path}")
     return tasks
@@ -161,7 +158,7 @@ class Trainer:
         """Write the weights and load them into the upstream as the current version; returns seconds."""
         t0 = time.monotonic()
         version = str(self.state.weight_version)
-        out = self.workers.save_weights(self.r.run_dir / "weights" / f"v{version}")
+        out = self.workers.save_weights(self.r.run_dir / "weights" / f"v{version}", dtype=self.r.upstream.engine_dtype)
         r = httpx.post(
             f"{self.infra.gateway_url}/api/weights/update",
             json={"model_path": str(out), "weight_version": version},
@@ -300,6 +297,8 @@ def main(args: argparse.Namespace) -> int:
     except RecipeError as e:
         print(f"tracegym train: {e}", file=sys.stderr)
         return 2
+    # SIGTERM (e.g. from a job scheduler) unwinds like Ctrl-C, so the engine, gateway and runner are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.steps is not None:
         recipe = recipe.model_copy(update={"steps": args.steps})
     train(recipe, recipe_dir=Path(args.recipe).resolve().parent, resume=args.resume)

@@ -137,13 +137,23 @@ def heartbeat(rollout_id: str, body: HeartbeatIn, request: Request) -> Response:
     return _json({"lease_expires_at": iso(expires)})
 
 
+def _flush_spans(request: Request) -> None:
+    """Write every recorded call before a rollout is marked finished, so whoever sees it finished (the
+    trainer fetching its trajectory) also sees all of its calls. Spans are otherwise written ~0.1 s late."""
+    recorder = getattr(request.app.state, "recorder", None)
+    if recorder is not None:
+        recorder.force_flush()
+
+
 @router.post("/rollouts/{rollout_id}/complete")
 def complete(rollout_id: str, body: CompleteIn, request: Request) -> Response:
+    _flush_spans(request)
     return _json(_call(_store(request).complete, rollout_id, worker_id=body.worker_id, reward=body.reward))
 
 
 @router.post("/rollouts/{rollout_id}/fail")
 def fail(rollout_id: str, body: FailIn, request: Request) -> Response:
+    _flush_spans(request)
     return _json(_call(_store(request).fail, rollout_id, error=body.error, worker_id=body.worker_id,
                        traceback=body.traceback))
 

@@ -29,9 +29,6 @@ from tracegym.types import CallRecord
 
 PAGE_IDS = 500
 """Rollout ids per query (well under SQLite's bound-parameter limit)."""
-SQLITE_MMAP_BYTES = 1 << 30
-"""SQLite reads the store through a memory map of up to this size: page reads without a ``pread`` and a
-copy each, so a store larger than the page cache reads as fast per row as a small one."""
 _COLUMNS = ("rollout_id", "source", "start_time_ns", "end_time_ns", "status", "status_message",
             "attributes", "prompt_ids", "output_ids", "output_logprobs")
 _REQ = (b',"' + REQUEST.encode() + b'":{', ',"' + REQUEST + '":{')
@@ -104,8 +101,6 @@ def read_call_records(raw: Any, dialect: str, rollout_ids: list[str], *, arrays:
     out: dict[str, list[CallRecord]] = {}
     cur = raw.cursor()
     try:
-        if dialect == "sqlite":
-            cur.execute(f"PRAGMA mmap_size = {SQLITE_MMAP_BYTES}")
         for start in range(0, len(rollout_ids), PAGE_IDS):
             page = rollout_ids[start : start + PAGE_IDS]
             params = (page,) if dialect == "postgresql" else page

@@ -109,3 +109,23 @@ def test_weight_versions_and_run_metrics(client):
 ])
 def test_bad_bodies_are_400_in_openai_shape(client, path, body):
     assert _err(client.post(path, json=body), 400)["type"] == "invalid_request_error"
+
+
+def test_a_finished_rollout_already_has_all_its_spans(store_url: str) -> None:
+    """The recorder writes spans ~0.1 s late; completing (or failing) a rollout flushes first, so a reader
+    that sees it finished — the trainer fetching its trajectory — sees every call."""
+    from tracegym.gateway.tracing import TraceRecorder
+
+    store = Store.open(store_url)
+    recorder = TraceRecorder(store, schedule_delay_s=30.0)  # nothing is written unless flushed
+    app = make_app(store)
+    app.state.recorder = recorder
+    try:
+        with TestClient(app) as c:
+            for rid, route, body in (("ro-done", "complete", {"reward": 1.0}), ("ro-bad", "fail", {"error": "x"})):
+                recorder.record(make_record(0, rollout_id=rid))
+                assert c.post(f"/api/rollouts/{rid}/{route}", json=body).status_code == 200
+                assert len(store.list_spans(rid)) == 1
+    finally:
+        recorder.shutdown()
+        store.close()

@@ -3,12 +3,14 @@ characters (random text gives both outcomes, so groups carry signal)."""
 
 from __future__ import annotations
 
+import os
+
 from openai import AsyncOpenAI
 
 
 async def agent(task: dict, base_url: str) -> float:
     async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-        model = (await client.models.list()).data[0].id
+        model = os.environ.get("TRACEGYM_MODEL", "tiny-random")
         reply = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": task["question"]}], max_tokens=8, temperature=1.0
         )

@@ -91,3 +91,16 @@ def test_bad_recipe_is_a_clear_error(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert "agent.target" in res.stderr or "agent" in res.stderr
     assert "group_size" in res.stderr
+
+
+def test_async_mode_trains_on_fresh_groups(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Asynchronous mode: runners never stop, the queue stays two batches deep, and each step trains on
+    finished groups within ``max_staleness`` weight versions of the current one."""
+    recipe = _write_recipe(tmp_path, steps=3, mode="async", max_staleness=1)
+    res = _train(recipe)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    for r in train_rows:
+        assert r["stale_groups"] >= 0 and r["rollouts"] <= 8  # at most batch_size groups of 4 are trained

@@ -182,7 +182,7 @@ def main() -> None:
             n = a.requests if c > 1 else max(500, a.requests // 4)
             cpu0 = _cpu_seconds(procs[0].proc.pid)
             d = _run_load(f"http://127.0.0.1:{fport}/generate", direct, c, n, tmp, pin_other)
-            cpu1, gcpu0 = _cpu_seconds(procs[0].proc.pid), _cpu_seconds(procs[1].pid)
+            cpu1, gcpu0 = _cpu_seconds(procs[0].proc.pid), _cpu_seconds(procs[1].proc.pid)
             g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp, pin_other)
             through += g["sent"]
             gcpu1 = _cpu_seconds(procs[1].proc.pid)

@@ -1,15 +1,16 @@
-"""What the training loop asks of the gateway, over HTTP only (docs/api.md): enqueue groups, wait for
-them, fetch their trajectories, record weight versions and per-step metrics."""
+"""What the training loop asks of the gateway, over HTTP only (docs/api.md): enqueue groups, follow
+them until they finish, fetch their trajectories, record per-step metrics. Built on the SDK's
+``GatewayClient`` (retries with backoff, OpenAI-shaped errors surfaced)."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
+from tracegym.client import GatewayClient, SDKConfig
 from tracegym.types import Trajectory
 
 TERMINAL = {"completed", "failed"}
@@ -22,51 +23,37 @@ class Group:
     rollout_ids: list[str]
     split: str = "train"
     statuses: dict[str, str] = field(default_factory=dict)
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    """Rewards of the completed rollouts, as of the last ``refresh``."""
 
     @property
     def done(self) -> bool:
-        return len(self.statuses) == len(self.rollout_ids) and all(
-            s in TERMINAL for s in self.statuses.values()
-        )
+        return len(self.statuses) == len(self.rollout_ids) and all(s in TERMINAL for s in self.statuses.values())
 
 
 class ControlClient:
     def __init__(self, gateway_url: str, *, timeout: float = 60.0) -> None:
-        self.base = gateway_url.rstrip("/")
-        self.http = httpx.Client(base_url=self.base, timeout=timeout)
+        self.client = GatewayClient(SDKConfig(gateway_url=gateway_url.rstrip("/"), timeout=timeout))
 
     def close(self) -> None:
-        self.http.close()
-
-    def _check(self, r: httpx.Response) -> Any:
-        if r.status_code >= 400:
-            raise RuntimeError(
-                f"gateway {r.request.method} {r.request.url.path} -> {r.status_code}: {r.text[:500]}"
-            )
-        return r.json() if r.content else None
+        self.client.close()
 
     def enqueue(self, tasks: list[dict[str, Any]], *, group_size: int, split: str) -> list[Group]:
-        body = {"tasks": [{**t, "split": split} for t in tasks], "group_size": group_size}
-        out = self._check(self.http.post("/api/tasks", json=body))
-        return [Group(g["group_id"], g["task_id"], list(g["rollout_ids"]), split) for g in out["tasks"]]
+        out = self.client.enqueue_tasks([{**t, "split": split} for t in tasks], group_size=group_size)
+        return [Group(g["group_id"], g["task_id"], list(g["rollout_ids"]), split) for g in out]
 
     def refresh(self, groups: list[Group]) -> None:
         for g in groups:
             if g.done:
                 continue
-            rows, cursor = [], None
-            while True:
-                params: dict[str, Any] = {"group_id": g.group_id, "limit": 500}
-                if cursor:
-                    params["cursor"] = cursor
-                page = self._check(self.http.get("/api/rollouts", params=params))
-                rows += page["rollouts"]
-                cursor = page.get("next_cursor")
-                if not cursor:
-                    break
+            rows = list(self.client.iter_rollouts(group_id=g.group_id, limit=500))
             g.statuses = {r["rollout_id"]: r["status"] for r in rows}
+            g.rewards = {r["rollout_id"]: r.get("reward") for r in rows if r["status"] == "completed"}
 
-    def wait(self, groups: list[Group], *, timeout: float, poll: float = 0.25, on_poll=None) -> bool:
+    def wait(
+        self, groups: list[Group], *, timeout: float, poll: float = 0.25,
+        on_poll: Callable[[list[Group]], None] | None = None,
+    ) -> bool:  # fmt: skip
         """Wait until every group is done or ``timeout`` passes; True if all finished."""
         deadline = time.monotonic() + timeout
         while True:
@@ -82,25 +69,10 @@ class ControlClient:
     def trajectories(self, rollout_ids: list[str]) -> list[Trajectory]:
         out: list[Trajectory] = []
         for i in range(0, len(rollout_ids), 200):
-            chunk = rollout_ids[i : i + 200]
-            r = self.http.get("/api/trajectories", params={"ids": ",".join(chunk), "status": "completed"})
-            if r.status_code >= 400:
-                self._check(r)
-            out += [Trajectory.from_dict(json.loads(line)) for line in r.text.splitlines() if line.strip()]
+            params = {"ids": ",".join(rollout_ids[i : i + 200]), "status": "completed"}
+            lines = self.client.iter_lines("/api/trajectories", "fetch trajectories", params)
+            out += [Trajectory.from_dict(json.loads(line)) for line in lines]
         return out
-
-    def rollout_rewards(self, groups: list[Group]) -> dict[str, float | None]:
-        """Rewards of completed rollouts (None where no reward was given)."""
-        out: dict[str, float | None] = {}
-        for g in groups:
-            page = self._check(self.http.get("/api/rollouts", params={"group_id": g.group_id, "limit": 500}))
-            for r in page["rollouts"]:
-                if r["status"] == "completed":
-                    out[r["rollout_id"]] = r.get("reward")
-        return out
-
-    def add_weight_version(self, version: str, **info: Any) -> None:
-        self._check(self.http.post("/api/weight_versions", json={"version": version, **info}))
 
     def add_metrics(self, run: str, step: int, metrics: dict[str, float]) -> None:
-        self._check(self.http.post(f"/api/runs/{run}/metrics", json={"step": step, "metrics": metrics}))
+        self.client.post(f"/api/runs/{run}/metrics", {"step": step, "metrics": metrics}, "store step metrics")

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from tracegym.trainer.config import RecipeError, TrainRecipe, load_recipe
 from tracegym.trainer.control import ControlClient, Group
 from tracegym.trainer.infra import Infra, start_infra
@@ -90,13 +88,18 @@ class Trainer:
             wandb_project=recipe.wandb_project,
             run_name=recipe.name,
         )
-        from tracegym.trainer.workers import TrainConfig, WorkerGroup  # torch/ray imported only here
+        from tracegym.trainer.weight_sync import DiskWeightSync  # torch/ray imported only here
+        from tracegym.trainer.workers import TrainConfig, WorkerGroup
 
         self.workers = WorkerGroup(
             model_dir,
             num_workers=recipe.workers,
             train_cfg=TrainConfig.from_recipe(recipe, total_steps=recipe.steps),
             use_ray=recipe.use_ray or recipe.workers > 1,
+        )
+        self.swap = DiskWeightSync(
+            infra.gateway_url, recipe.run_dir / "weights", keep=2, save_dtype=recipe.upstream.engine_dtype,
+            update_path="/api/weights/update",
         )
         if resume:
             self.state = LoopState.from_dict(self.workers.load_checkpoint(self.ckpt_dir))
@@ -156,25 +159,14 @@ class Trainer:
 
     def _swap_to_current(self) -> float:
         """Write the weights and load them into the upstream as the current version; returns seconds."""
-        t0 = time.monotonic()
-        version = str(self.state.weight_version)
-        out = self.workers.save_weights(self.r.run_dir / "weights" / f"v{version}", dtype=self.r.upstream.engine_dtype)
-        r = httpx.post(
-            f"{self.infra.gateway_url}/api/weights/update",
-            json={"model_path": str(out), "weight_version": version},
-            timeout=600,
-        )
-        if r.status_code >= 400 or not r.json().get("success", False):
-            raise RuntimeError(f"weight swap to {out} failed: {r.status_code} {r.text[:500]}")
-        _prune_weights(self.r.run_dir / "weights", keep=2)
-        return time.monotonic() - t0
+        return self.swap.push(self.workers, self.state.weight_version).total_s
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         t0 = time.monotonic()
         groups = self.ctl.enqueue(self.eval_tasks, group_size=self.r.eval_samples, split="eval")
         self.ctl.wait(groups, timeout=self.r.group_timeout_s * 2, on_poll=self._gen_status)
-        rewards = [v if v is not None else 0.0 for v in self.ctl.rollout_rewards(groups).values()]
+        rewards = [v if v is not None else 0.0 for g in groups for v in g.rewards.values()]
         n = sum(len(g.rollout_ids) for g in groups)
         m = {
             "reward_mean": sum(rewards) / max(1, len(rewards)),
@@ -265,17 +257,8 @@ class Trainer:
 
     def close(self) -> None:
         self.workers.shutdown()
+        self.swap.close()
         self.ctl.close()
-
-
-def _prune_weights(root: Path, keep: int) -> None:
-    import shutil
-
-    dirs = sorted(
-        (d for d in root.glob("v*") if d.is_dir() and d.name[1:].isdigit()), key=lambda d: int(d.name[1:])
-    )
-    for d in dirs[:-keep]:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def train(recipe: TrainRecipe, *, recipe_dir: Path, resume: bool = False) -> dict[str, Any]:

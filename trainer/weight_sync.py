@@ -95,7 +95,11 @@ def _check(resp: httpx.Response, what: str) -> dict[str, Any]:
 
 class DiskWeightSync:
     """Save → ``/update_weights_from_disk`` → prune. ``push(group, version)`` with any object that has
-    ``save_weights(out_dir) -> Path`` (a ``WorkerGroup``)."""
+    ``save_weights(out_dir) -> Path`` (a ``WorkerGroup``).
+
+    ``url`` is the engine, or a gateway with ``update_path="/api/weights/update"``: the gateway then
+    pauses generation around the load and continues the requests the pause aborted (same body and
+    answer shape), so ``pause`` must stay False there."""
 
     def __init__(
         self,
@@ -106,9 +110,11 @@ class DiskWeightSync:
         pause: bool = False,
         timeout: float = 600.0,
         save_dtype: str | None = None,
+        update_path: str = "/update_weights_from_disk",
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        self.update_path = update_path
         self.engine_url, self.root, self.keep, self.pause = engine_url.rstrip("/"), Path(root), keep, pause
         self.save_dtype = save_dtype
         self._client = httpx.Client(base_url=self.engine_url, timeout=timeout)
@@ -138,9 +144,7 @@ class DiskWeightSync:
         """``/update_weights_from_disk`` (between ``pause_generation``/``continue_generation`` if asked)."""
         body = {"model_path": str(path), "weight_version": version}
         if not self.pause:
-            return _check(
-                self._client.post("/update_weights_from_disk", json=body), "update_weights_from_disk"
-            )
+            return _check(self._client.post(self.update_path, json=body), self.update_path)
         _check(self._client.post("/pause_generation", json={}), "pause_generation")
         try:
             body["abort_all_requests"] = True

@@ -8,27 +8,16 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.procs import ManagedProcess, free_port, start_process
+from tests.procs import ManagedProcess
 from tracegym.client import GatewayClient, SDKConfig
 from tracegym.runner import read_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ["openai", "langchain", "autogen"]
-
-
-@pytest.fixture(scope="module")
-def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
-    tmp = tmp_path_factory.mktemp("examples")
-    port = free_port()
-    args = ["tracegym", "serve", "--engine", "embedded", "--model", "tiny-random", "--port", str(port)]
-    args += ["--store", f"sqlite:///{tmp / 'tracegym.db'}"]
-    with start_process(args, port=port, log_path=tmp / "gateway.log", health_path="/healthz") as gw:
-        yield gw
 
 
 def run_example(name: str, gateway_url: str) -> subprocess.CompletedProcess[str]:

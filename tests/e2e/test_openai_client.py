@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,14 +22,6 @@ def _serve(tmp: Path, *args: str, timeout: float = 240) -> ManagedProcess:
     port = free_port()
     return start_process(["tracegym", "serve", "--port", str(port), *args], port=port,
                          log_path=tmp / f"serve-{port}.log", health_path="/healthz", timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
-    tmp = tmp_path_factory.mktemp("e2e-openai")
-    with _serve(tmp, "--engine", "embedded", "--model", MODEL, "--store", f"sqlite:///{tmp / 'tg.db'}",
-                "--max-body-bytes", "200000") as p:
-        yield p
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.conftest import serve_tiny
 from tests.gateway.test_app_support import sse_payloads
-from tests.procs import ManagedProcess, free_port, start_process
+from tests.procs import ManagedProcess
 
 MODEL = "tiny-random"
 MAX = 400  # ~2-3 s on tiny-random; it rarely samples EOS that early
@@ -25,11 +26,8 @@ Q = [{"role": "user", "content": "Tell me a long story."}]
 
 @pytest.fixture(scope="module")
 def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
-    tmp = tmp_path_factory.mktemp("e2e-swap")
-    port = free_port()
-    with start_process(["tracegym", "serve", "--port", str(port), "--engine", "embedded", "--model", MODEL,
-                        "--store", f"sqlite:///{tmp / 'tg.db'}"], port=port, log_path=tmp / "serve.log",
-                       health_path="/healthz", timeout=240) as p:
+    """Its own gateway: these tests swap the engine's weights."""
+    with serve_tiny(tmp_path_factory.mktemp("e2e-swap")) as p:
         yield p
 
 

@@ -6,32 +6,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 
-from tests.procs import ManagedProcess, free_port, start_process
+from tests.procs import ManagedProcess
 
 
 @tool
 def calculator(a: float, op: str, b: float) -> str:
     """Compute `a op b` for op in + - * /."""
     return str({"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op])
-
-
-@pytest.fixture(scope="module")
-def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
-    tmp = tmp_path_factory.mktemp("trajectory_langchain")
-    port = free_port()
-    args = ["tracegym", "serve", "--engine", "embedded", "--model", "tiny-random", "--port", str(port)]
-    args += ["--store", f"sqlite:///{tmp / 'tracegym.db'}"]
-    with start_process(args, port=port, log_path=tmp / "gateway.log", health_path="/healthz") as gw:
-        yield gw
 
 
 def _llm_spans(client: httpx.Client, rid: str, expected: int) -> list[dict]:

@@ -5,6 +5,7 @@ metrics registry) and tears it down on shutdown. Nothing here imports torch."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -140,6 +141,9 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         )
         log.info("gateway serving %r via %s upstream %s (tokenizer %s, store %s)", served, upstream.kind,
                  settings.upstream_url, tdir, settings.store_url)
+        if settings.freeze_gc:
+            gc.collect()
+            gc.freeze()
         yield
     finally:
         await upstream.close()

@@ -77,6 +77,24 @@ def _collect(
     return groups, excluded
 
 
+def _linear_chain(per_call: list[list[Node]]) -> Chain | None:
+    """The agent's calls as one chain when each has a single trained choice and continues the call before
+    it with a longer prompt+output (the usual multi-turn agent), else None. Then the previous node is the
+    unique deepest earlier node the prompt continues, so ``link`` would make it the parent, and ``chains``
+    of that path is this one chain: the same result without the tree search."""
+    nodes: list[Node] = []
+    prev: Node | None = None
+    for siblings in per_call:
+        if len(siblings) != 1:
+            return None
+        node = siblings[0]
+        if prev is not None and (node.end <= prev.end or not prev.continues(node.prompt)):
+            return None
+        nodes.append(node)
+        prev = node
+    return Chain(nodes)
+
+
 def _versions(node: Node) -> list[str]:
     if node.choice.weight_versions:
         return [w.version for w in node.choice.weight_versions]
@@ -84,22 +102,19 @@ def _versions(node: Node) -> list[str]:
 
 
 def _sequence(chain: Chain) -> Sequence:
-    first = chain.nodes[0]
-    token_ids = first.prompt[:]  # a list, or an array('i'/'q') when the store hands out arrays
-    loss_mask = [0] * len(token_ids)
-    logprobs: list[float | None] = [None] * len(token_ids)
+    nodes = chain.nodes
+    first, last = nodes[0], nodes[-1]
+    # Every node continues the one before it (its parent), so the concatenated prompt suffixes and
+    # outputs are exactly the last node's prompt + output; sampled spans are [len(prompt), end).
+    token_ids = last.prompt + last.output  # lists, or arrays (one type per rollout) from the store
+    loss_mask = [0] * last.end
+    logprobs: list[float | None] = [None] * last.end
     versions: list[str] = []
-    prev_end = len(token_ids)
-    for node in chain.nodes:
-        n_ctx = len(node.prompt) - prev_end
-        if n_ctx:
-            token_ids += node.prompt[prev_end:]
-            loss_mask += [0] * n_ctx
-            logprobs += [None] * n_ctx
-        token_ids += node.output
-        loss_mask += [1] * len(node.output)
-        logprobs += node.logprobs
-        prev_end = node.end
+    for node in nodes:
+        start = len(node.prompt)
+        if node.end > start:
+            loss_mask[start : node.end] = [1] * (node.end - start)
+            logprobs[start : node.end] = node.logprobs
         for v in _versions(node):
             if v not in versions:
                 versions.append(v)
@@ -133,7 +148,8 @@ def assemble(
     all_chains: list[Chain] = []
     for per_call in groups.values():
         if opts.mode == "merge":
-            all_chains += chains(link(per_call))
+            linear = _linear_chain(per_call)
+            all_chains += [linear] if linear is not None else chains(link(per_call))
         else:
             all_chains += single_chains([n for siblings in per_call for n in siblings])
     all_chains.sort(key=lambda c: (c.nodes[0].pos, c.nodes[0].choice.index))

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from fastapi import Depends, Request
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tracegym.gateway.settings import GatewaySettings
 from tracegym.gateway.upstream.base import Upstream
@@ -40,6 +41,11 @@ class GatewayMetrics:
             "stream ends)", ["kind", "operation", "stream"], registry=registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
         )
+        self.gc_frozen = Gauge(
+            "tracegym_gateway_gc_frozen_objects", "Objects moved out of the garbage collector's generations at "
+            "startup (GatewaySettings.freeze_gc)", registry=registry,
+        )
+        self.gc_frozen.set_function(gc.get_freeze_count)
         self._request_children: dict[tuple[str, str, int], Any] = {}
         self._latency_children: dict[tuple[str, str, str], Any] = {}
         self.upstream_errors = Counter(

@@ -21,7 +21,7 @@ def settings_from_args(args: argparse.Namespace, upstream_url: str | None, kind:
     store = None if args.store in ("", "none") else args.store
     return GatewaySettings(
         upstream_url=upstream_url, upstream_kind=kind, model=args.model, store_url=store,
-        max_body_bytes=args.max_body_bytes, upstream_timeout=args.upstream_timeout,
+        max_body_bytes=args.max_body_bytes, upstream_timeout=args.upstream_timeout, freeze_gc=True,
     )
 
 

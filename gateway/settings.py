@@ -34,3 +34,8 @@ class GatewaySettings(BaseSettings):
     upstream_connect_timeout: float = Field(default=10.0, gt=0)
     upstream_max_connections: int = Field(default=4096, gt=0)
     health_timeout: float = Field(default=2.0, gt=0)
+    freeze_gc: bool = False
+    """Once started, move every object alive (modules, tokenizer, routes: ~100k objects) out of the garbage
+    collector's generations (``gc.freeze``), so a full collection scans only request-time objects. Measured
+    at 32 concurrent chat calls with recording: p99 latency 45 ms -> 10 ms. ``tracegym serve`` turns it
+    on; off for apps embedded in another process (tests), whose heap is not the gateway's to freeze."""

@@ -49,6 +49,9 @@ def encode_floats(xs: Sequence[float]) -> bytes:
     return _packer("d", n).pack(b"d", *xs)
 
 
+_TAGS = {ord(t): t for t in "iqfd"}
+
+
 def decode_array(blob: bytes | memoryview | None) -> array | None:
     """The blob's values as an ``array`` of its own type (``i``/``q``/``f``/``d``), with no Python object per
     value; None stays None. What the assembly read path hands out: arrays compare and slice at C speed."""
@@ -56,9 +59,9 @@ def decode_array(blob: bytes | memoryview | None) -> array | None:
         return None
     if not blob:
         raise ValueError("empty token array blob (missing type tag)")
-    tag = chr(blob[0])
-    if tag not in "iqfd":
-        raise ValueError(f"unknown token array tag {tag!r} (expected one of i, q, f, d)")
+    tag = _TAGS.get(blob[0])
+    if tag is None:
+        raise ValueError(f"unknown token array tag {chr(blob[0])!r} (expected one of i, q, f, d)")
     arr = array(tag)
     arr.frombytes(memoryview(blob)[1:])
     if _BIG_ENDIAN:

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from tracegym.gateway.spans import CALL_ID, CHOICES, REQUEST, is_call_row, row_to_call_record
+from tracegym.gateway.spans import CALL_ID, CHOICES, REQUEST, call_record_from_values
 from tracegym.types import CallRecord
 
 PAGE_IDS = 500
@@ -75,6 +75,9 @@ def _attributes(source: str, text: bytes | str, with_request: bool) -> Any:
     return orjson.loads(text)
 
 
+_INT64_TAG = ord("q")
+
+
 def _widen(calls: list[CallRecord]) -> None:
     """Make every id array of a rollout ``q`` when one of them is (arrays of one type concatenate)."""
     def q(a: Any) -> Any:
@@ -86,34 +89,35 @@ def _widen(calls: list[CallRecord]) -> None:
             ch.output_ids = q(ch.output_ids)
 
 
-def _has_q(calls: list[CallRecord]) -> bool:
-    return any(
-        (c.prompt_ids is not None and c.prompt_ids.typecode == "q")
-        or any(ch.output_ids is not None and ch.output_ids.typecode == "q" for ch in c.choices)
-        for c in calls
-    )
-
-
 def read_call_records(raw: Any, dialect: str, rollout_ids: list[str], *, arrays: bool,
                       with_request: bool) -> dict[str, list[CallRecord]]:
     """``{rollout_id: [CallRecord, ...]}`` in start order (rollouts without calls are absent), read on
     the raw DBAPI connection ``raw`` inside the caller's transaction, ``PAGE_IDS`` rollouts per query."""
     out: dict[str, list[CallRecord]] = {}
+    wide: set[str] = set()  # rollouts with int64 ids somewhere
     cur = raw.cursor()
     try:
         for start in range(0, len(rollout_ids), PAGE_IDS):
             page = rollout_ids[start : start + PAGE_IDS]
             params = (page,) if dialect == "postgresql" else page
             cur.execute(select_sql(dialect, len(page)), params)
-            for values in cur.fetchall():
-                row = dict(zip(_COLUMNS, values, strict=True))
-                row["attributes"] = _attributes(row["source"], row["attributes"], with_request)
-                if is_call_row(row):
-                    out.setdefault(row["rollout_id"], []).append(row_to_call_record(row, arrays=arrays))
+            for rid, source, t0, t1, status, message, text, prompt, output, lps in cur.fetchall():
+                attrs = _attributes(source, text, with_request)
+                if not (isinstance(attrs.get(CHOICES), list) and isinstance(attrs.get(REQUEST), dict)
+                        and CALL_ID in attrs):  # not an LLM call span (an agent's own OTLP span)
+                    continue
+                rec = call_record_from_values(attrs, rid, status, message, t0, t1, prompt, output, lps,
+                                              arrays=arrays)
+                if (prompt and prompt[0] == _INT64_TAG) or (output and output[0] == _INT64_TAG):
+                    wide.add(rid)
+                calls = out.get(rid)
+                if calls is None:
+                    out[rid] = [rec]
+                else:
+                    calls.append(rec)
     finally:
         cur.close()
     if arrays:
-        for calls in out.values():
-            if _has_q(calls):
-                _widen(calls)
+        for rid in wide:
+            _widen(out[rid])
     return out

@@ -69,6 +69,13 @@ def test_models(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
+def test_serve_freezes_its_startup_heap(gateway: ManagedProcess) -> None:
+    """`tracegym serve` moves its startup objects out of the collector's generations (p99 latency)."""
+    metrics = httpx.get(gateway.base_url + "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith("tracegym_gateway_gc_frozen_objects "))
+    assert float(line.split()[1]) > 10_000
+
+
 def test_turn_two_extends_turn_one_in_the_store(gateway: ManagedProcess) -> None:
     c = openai.OpenAI(base_url=f"{gateway.base_url}/rollouts/e2e-r1/v1", api_key="unused", max_retries=0)
     one = c.chat.completions.create(model=MODEL, messages=Q, max_tokens=6, seed=3)

@@ -8,6 +8,7 @@ import itertools
 from array import array
 from dataclasses import replace
 from typing import Any
+from unittest import mock
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -157,6 +158,39 @@ def test_per_call_mode_makes_one_sequence_per_trained_choice(calls, opts):
     assert len(traj.sequences) == sum(
         1 for c in calls for ch in c.choices if exclusion_reason(c, ch, opts) is None
     )
+
+
+@st.composite
+def mostly_linear(draw: st.DrawFn) -> list[CallRecord]:
+    """Agent runs that usually extend their last call (the fast path's case), sometimes branch, retry,
+    sample n > 1 or add empty outputs: where the fast path must step aside."""
+    calls: list[CallRecord] = []
+    last: dict[str | None, list[int]] = {}
+    for i in range(draw(st.integers(1, 8))):
+        agent = draw(st.sampled_from(["a", "a", "a", "b"]))
+        head = last.get(agent, [])
+        kind = draw(st.sampled_from(["extend"] * 6 + ["retry", "cut", "n2", "empty"]))
+        new = draw(st.lists(st.integers(0, 5), max_size=3))
+        if kind == "cut" and head:
+            head = head[: draw(st.integers(0, len(head) - 1))]
+        prompt = head + new if kind != "retry" else head
+        outs = [draw(st.lists(st.integers(0, 5), min_size=0 if kind == "empty" else 1, max_size=3))
+                for _ in range(2 if kind == "n2" else 1)]
+        calls.append(_record(i, prompt, outs, agent=agent))
+        last[agent] = prompt + outs[0]
+    return calls
+
+
+@SETTINGS
+@given(st.one_of(mostly_linear(), rollouts()), options)
+def test_linear_fast_path_equals_the_tree_search(calls, opts):
+    """``assemble``'s shortcut for runs that extend their last call gives exactly what the general prefix
+    tree gives (the tree search forced by disabling the shortcut)."""
+    fast = assemble(calls, rollout_id="r", reward=1.0, options=opts)
+    with mock.patch("tracegym.gateway.assembly._linear_chain", return_value=None):
+        tree = assemble(calls, rollout_id="r", reward=1.0, options=opts)
+    assert fast == tree
+    check_invariants(calls, fast)
 
 
 @SETTINGS

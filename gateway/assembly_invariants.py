@@ -99,7 +99,8 @@ def _check_sequence(
 
 class _Packed:
     """A sequence's token ids as machine integers, packed once per array type on first use, so the
-    prompts and outputs of array records are compared as bytes (``memcmp``), not int by int."""
+    prompts and outputs of array records are compared as bytes (``memcmp``, no slice copies), not int by
+    int."""
 
     def __init__(self, ids: list) -> None:
         self.ids = ids
@@ -118,20 +119,22 @@ class _Packed:
         packed = self._by_type[tc]
         if packed is None:
             return self.ids[start:end] == values.tolist()
-        size = values.itemsize
-        return packed[start * size : end * size] == values.tobytes()
+        return len(values) == end - start and packed.startswith(values.tobytes(), start * values.itemsize)
 
 
 def _sequence_ok(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]) -> bool:
-    """True when ``seq`` keeps every promise ``_check_sequence`` verifies, checked slice by slice at C
-    speed. Never True for a sequence ``_check_sequence`` rejects; False defers to it for the message
-    (and for retokenized sequences, which it alone checks)."""
+    """True when ``seq`` keeps every promise ``_check_sequence`` verifies, checked at C speed: ids slice
+    by slice as bytes, then the whole mask and logprobs against the ones the calls imply. Never True for
+    a sequence ``_check_sequence`` rejects; False defers to it for the message (and for retokenized
+    sequences, which it alone checks)."""
     n = len(seq.token_ids)
     if len(seq.loss_mask) != n or len(seq.logprobs) != n or seq.retokenized:
         return False
     if not seq.call_ids or len(seq.call_ids) != len(seq.choice_indices):
         return False
-    ids, mask, lps = _Packed(seq.token_ids), seq.loss_mask, seq.logprobs
+    ids = _Packed(seq.token_ids)
+    mask: list[int] = [0] * n
+    lps: list[float | None] = [None] * n
     prev_end = 0
     for key in zip(seq.call_ids, seq.choice_indices, strict=True):
         found = choices.get(key)
@@ -141,15 +144,15 @@ def _sequence_ok(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord,
         prompt, out = call.prompt_ids, choice.output_ids
         start = len(prompt) if prompt is not None else 0
         end = start + (len(out) if out is not None else 0)
-        gap, width = start - prev_end, end - start
-        if gap < 0 or end > n or not ids.equal(prompt, 0, start) or not ids.equal(out, start, end):
+        if start < prev_end or end > n or not ids.equal(prompt, 0, start) or not ids.equal(out, start, end):
             return False
-        if lps[start:end] != _as_list(choice.output_logprobs) or lps[prev_end:start] != [None] * gap:
+        engine = _as_list(choice.output_logprobs)
+        if engine is None or len(engine) != end - start:
             return False
-        if mask[prev_end:start] != [0] * gap or mask[start:end] != [1] * width:
-            return False
+        mask[start:end] = [1] * (end - start)
+        lps[start:end] = engine
         prev_end = end
-    return prev_end == n
+    return prev_end == n and seq.loss_mask == mask and seq.logprobs == lps
 
 
 def check_invariants(calls: list[CallRecord], trajectory: Trajectory) -> None:

@@ -261,9 +261,11 @@ def decoded_choices(row: dict, *, arrays: bool = False) -> list[dict] | None:
     ]
 
 
-def is_call_row(row: dict) -> bool:
-    a = row["attributes"]
+def is_call_attributes(a: dict) -> bool:
+    """True for the attributes of an LLM call span (gateway-written or OTLP-ingested with the call keys);
+    an agent's own spans lack them."""
     return isinstance(a.get(CHOICES), list) and isinstance(a.get(REQUEST), dict) and CALL_ID in a
+
 
 
 def _choice_records(meta: list, output_blob: Any, logprob_blob: Any, arrays: bool) -> list[ChoiceRecord]:
@@ -287,7 +289,7 @@ def _choice_records(meta: list, output_blob: Any, logprob_blob: Any, arrays: boo
 
 
 def row_to_call_record(row: dict, *, arrays: bool = False) -> CallRecord:
-    """Rebuild the CallRecord of a gateway span row (``is_call_row``). With ``arrays`` the token ids and
+    """Rebuild the CallRecord of a gateway span row (``is_call_attributes``). With ``arrays`` the token ids and
     logprobs are ``array.array``s (``i``/``q``, ``f``/``d``: bit-exact, no Python object per value), which
     ``tracegym.gateway.assembly`` works on directly."""
     return call_record_from_values(

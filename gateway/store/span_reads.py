@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from tracegym.gateway.spans import CALL_ID, CHOICES, REQUEST, call_record_from_values
+from tracegym.gateway.spans import CALL_ID, CHOICES, REQUEST, call_record_from_values, is_call_attributes
 from tracegym.types import CallRecord
 
 PAGE_IDS = 500
@@ -103,8 +103,7 @@ def read_call_records(raw: Any, dialect: str, rollout_ids: list[str], *, arrays:
             cur.execute(select_sql(dialect, len(page)), params)
             for rid, source, t0, t1, status, message, text, prompt, output, lps in cur.fetchall():
                 attrs = _attributes(source, text, with_request)
-                if not (isinstance(attrs.get(CHOICES), list) and isinstance(attrs.get(REQUEST), dict)
-                        and CALL_ID in attrs):  # not an LLM call span (an agent's own OTLP span)
+                if not is_call_attributes(attrs):  # an agent's own (OTLP) span
                     continue
                 rec = call_record_from_values(attrs, rid, status, message, t0, t1, prompt, output, lps,
                                               arrays=arrays)

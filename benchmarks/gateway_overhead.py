@@ -2,7 +2,7 @@
 in one run, side by side. Prints p50/p99 latency and the added latency at concurrency 1 and 32, and req/s.
 
     python -m benchmarks.gateway_overhead [--store sqlite|none] [--requests 2000] [--op chat|completion]
-                                          [--distinct] [--pin]
+                                          [--distinct] [--rollouts K] [--pin]
 
 Processes: the fake (benchmarks/fake_sglang.py), the gateway (``tracegym serve``, one uvicorn worker,
 uvloop + httptools) and an aiohttp load generator (``loadgen`` mode of this script) each run on their
@@ -11,6 +11,8 @@ difference is the gateway's work: parsing, chat templating + tokenizing, prefix 
 hop, decoding, response building and (with ``--store sqlite``) recording the span.
 ``--distinct`` makes every chat request's user message unique (no render/encode cache hits for it: the
 realistic multi-turn case; the default repeats one prompt, like the members of a GRPO group).
+``--rollouts K`` sends the chat calls to ``/rollouts/bench-{i % K}/v1/...``: attributed calls, as the runner's
+agents make them, which the per-rollout prefix cache plans and remembers.
 ``--pin`` pins the gateway to CPU 0 and the fake and the load generator to CPU 1 (``taskset``), so the
 gateway is one worker on one core. With recording on, the run ends by checking that the store holds one
 span per request sent through the gateway (warm-up included) and exits 1 if not.
@@ -38,9 +40,10 @@ MESSAGES = [{"role": "system", "content": "You are a careful math tutor."},
 # ---------------------------------------------------------------------------------------- load generator
 
 VARY = b"@@N@@"  # replaced by a request counter in every request (``--distinct``)
+ROLLOUT = "@@R@@"  # replaced in the URL by the request counter modulo ``--rollouts``
 
 
-async def _load(url: str, body: bytes, concurrency: int, n: int, warmup: int) -> dict:
+async def _load(url: str, body: bytes, concurrency: int, n: int, warmup: int, rollouts: int = 0) -> dict:
     import aiohttp
 
     lat: list[float] = []
@@ -52,8 +55,9 @@ async def _load(url: str, body: bytes, concurrency: int, n: int, warmup: int) ->
             nonlocal errors, sent
             sent += 1
             data = body.replace(VARY, str(sent).encode()) if vary else body
+            target = url.replace(ROLLOUT, str(sent % rollouts)) if rollouts else url
             t0 = time.perf_counter()
-            async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            async with s.post(target, data=data, headers={"Content-Type": "application/json"}) as r:
                 await r.read()
                 if r.status != 200:
                     errors += 1
@@ -84,20 +88,22 @@ def loadgen_main(argv: list[str]) -> None:
     p.add_argument("--concurrency", type=int, required=True)
     p.add_argument("--requests", type=int, required=True)
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--rollouts", type=int, default=0)
     a = p.parse_args(argv)
     import uvloop
 
-    res = uvloop.run(_load(a.url, Path(a.body).read_bytes(), a.concurrency, a.requests, a.warmup))
+    res = uvloop.run(_load(a.url, Path(a.body).read_bytes(), a.concurrency, a.requests, a.warmup, a.rollouts))
     print(json.dumps(res))
 
 
 # ---------------------------------------------------------------------------------------------- driver
 
-def _run_load(url: str, body: dict, concurrency: int, n: int, tmp: Path, pin: list[str]) -> dict:
+def _run_load(url: str, body: dict, concurrency: int, n: int, tmp: Path, pin: list[str], rollouts: int = 0) -> dict:
     f = tmp / f"body-{abs(hash(url)) % 10_000}.json"
     f.write_text(json.dumps(body))
     out = subprocess.run([*pin, sys.executable, "-m", "benchmarks.gateway_overhead", "loadgen", "--url", url,
-                          "--body", str(f), "--concurrency", str(concurrency), "--requests", str(n)],
+                          "--body", str(f), "--concurrency", str(concurrency), "--requests", str(n),
+                          "--rollouts", str(rollouts)],
                          capture_output=True, text=True, cwd=REPO, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -144,7 +150,12 @@ def main() -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the tiny-random cache)")
     p.add_argument("--distinct", action="store_true", help="a unique user message in every chat request")
     p.add_argument("--pin", action="store_true", help="gateway on CPU 0, fake and load generator on CPU 1")
+    p.add_argument("--rollouts", type=int, default=0, metavar="K",
+                   help="chat calls sent to /rollouts/bench-{i %% K}/v1 (attributed calls: the per-rollout prefix "
+                        "cache plans and remembers each one)")
     a = p.parse_args()
+    if a.rollouts and a.op != "chat":
+        p.error("--rollouts needs --op chat")
     pin_gw, pin_other = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if a.pin else ([], [])
     tok_dir = _tokenizer_dir(a.tokenizer)
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-"))
@@ -170,12 +181,15 @@ def main() -> None:
             if a.distinct:
                 messages = [MESSAGES[0], {"role": "user", "content": f"Request {VARY.decode()}. {MESSAGES[1]['content']}"}]
             via, path = {"model": str(tok_dir), "messages": messages, "max_tokens": 64}, "/v1/chat/completions"
+            if a.rollouts:
+                path = f"/rollouts/bench-{ROLLOUT}/v1/chat/completions"
         else:
             via, path = {"model": str(tok_dir), "prompt": "2+3=", "max_tokens": 64}, "/v1/completions"
         print(f"load average {Path('/proc/loadavg').read_text().split()[0]} on {__import__('os').cpu_count()} cores; "
               f"gateway overhead, op={a.op}, recording={'on (SQLite store)' if a.store == 'sqlite' else 'off'}, "
               f"{a.requests} requests per point, prompt {len(ids)} tokens"
-              f"{', distinct user messages' if a.distinct else ''}{', pinned (gateway CPU 0, others CPU 1)' if a.pin else ''}")
+              f"{', distinct user messages' if a.distinct else ''}"
+              f"{f', attributed to {a.rollouts} rollouts' if a.rollouts else ''}{', pinned (gateway CPU 0, others CPU 1)' if a.pin else ''}")
         print(f"{'c':>3} {'path':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'server CPU us/req':>18}")
         through = 0
         for c in (1, 32):
@@ -183,7 +197,7 @@ def main() -> None:
             cpu0 = _cpu_seconds(procs[0].proc.pid)
             d = _run_load(f"http://127.0.0.1:{fport}/generate", direct, c, n, tmp, pin_other)
             cpu1, gcpu0 = _cpu_seconds(procs[0].proc.pid), _cpu_seconds(procs[1].proc.pid)
-            g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp, pin_other)
+            g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp, pin_other, a.rollouts)
             through += g["sent"]
             gcpu1 = _cpu_seconds(procs[1].proc.pid)
             d["cpu_us"] = 1e6 * (cpu1 - cpu0) / (n + 200)  # the fake's CPU (warm-up included)

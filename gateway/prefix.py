@@ -79,8 +79,14 @@ def _call_key(call: dict[str, Any]) -> tuple[str, str]:
     return str(fn.get("name")), _canonical_arguments(fn.get("arguments"))
 
 
+_PLAIN_CONTEXT = json.dumps([None, "auto", {}], sort_keys=True)
+"""``context_key`` of a call without tools, tool_choice or template kwargs (most calls: no JSON work)."""
+
+
 def context_key(tools: Any, tool_choice: Any, kwargs: dict[str, Any]) -> str:
     """Everything besides the messages that changes the render: tools, tool_choice, template kwargs."""
+    if not tools and not kwargs and (tool_choice is None or tool_choice == "auto"):
+        return _PLAIN_CONTEXT
     return json.dumps(
         [check_tools(tools), check_tool_choice(tool_choice), kwargs], sort_keys=True, default=str
     )
@@ -131,6 +137,13 @@ class _Pending:
 class _Rollout:
     calls: deque[_Call]
     pending: deque[_Pending] = field(default_factory=lambda: deque(maxlen=8))
+    call_ids: set[str] = field(default_factory=set)  # of ``calls`` (kept in step as the deque drops its oldest)
+
+    def add(self, call: _Call) -> None:
+        if len(self.calls) == self.calls.maxlen:
+            self.call_ids.discard(self.calls[0].call_id)
+        self.calls.append(call)
+        self.call_ids.add(call.call_id)
 
 
 def _splits_independently(tok: ChatTokenizer) -> bool:
@@ -322,7 +335,7 @@ class PrefixCache:
     def _add(self, state: _Rollout, record: CallRecord) -> None:
         if record.operation != "chat" or record.status != "ok" or record.prompt_ids is None:
             return
-        if any(c.call_id == record.call_id for c in state.calls):
+        if record.call_id in state.call_ids:
             return
         messages, tools, kwargs = request_args(record.request)
         tool_choice = kwargs.pop("tool_choice")
@@ -354,7 +367,7 @@ class PrefixCache:
             for ch in record.choices
             if ch.output_ids is not None and ch.message is not None
         ]
-        state.calls.append(
+        state.add(
             _Call(
                 record.call_id,
                 ctx,

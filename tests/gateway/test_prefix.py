@@ -321,6 +321,11 @@ def test_calls_per_rollout_are_bounded(tok) -> None:
     r.call({"messages": [user("third")]}, "three" + END)
     p, _ = r.call({"messages": [user("first"), a1, user("again")]}, "x" + END)
     assert p.drift == "none"  # the first call was dropped
+    # a call remembered twice is kept once; one that was dropped can come back (the id set follows the deque)
+    r.cache.remember("r1", r.records[-1])
+    r.cache.remember("r1", r.records[0])
+    p, _ = r.call({"messages": [user("first"), a1, user("again")]}, "x" + END)
+    assert p.drift == "clean" and p.parent_call_id == r.records[0].call_id
 
 
 def test_failed_and_tokenless_calls_are_not_parents(tok) -> None:

@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=100, help="mean sampled tokens per call")
     ap.add_argument("--tool-tokens", type=int, default=150, help="mean tool-result tokens per turn")
     ap.add_argument("--scale", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3, help="measure each size this often, keep the best")
+    ap.add_argument("--rounds", type=int, default=5, help="measure each size this often, keep the best")
     args = ap.parse_args()
     shape = Shape(args.turns, args.system_tokens, args.output_tokens, args.tool_tokens)
     sizes = {"1x": args.rollouts, f"{args.scale}x": args.rollouts * args.scale}

@@ -30,10 +30,14 @@ def client(gateway: ManagedProcess) -> openai.OpenAI:
 
 
 def _spans(gateway: ManagedProcess, rollout_id: str, n: int) -> list[dict]:
+    """The rollout's spans once ``n`` are stored (recording is asynchronous: until its first span is written
+    the rollout is unknown, 404)."""
     deadline = time.monotonic() + 10
     while True:
-        spans = httpx.get(f"{gateway.base_url}/api/rollouts/{rollout_id}/spans").json()["spans"]
+        r = httpx.get(f"{gateway.base_url}/api/rollouts/{rollout_id}/spans")
+        spans = r.json()["spans"] if r.status_code == 200 else []
         if len(spans) >= n or time.monotonic() > deadline:
+            assert r.status_code == 200, r.text
             return spans
         time.sleep(0.1)
 

@@ -26,6 +26,10 @@ def test_quickstart_reward_rises(tmp_path: Path) -> None:
         data={"path": str(QS / "train.jsonl"), "eval_path": str(QS / "eval.jsonl")},
     )
     recipe["agent"]["target"] = f"{QS / 'agent.py'}:agent"
+    # 3x the recipe's learning rate: the answer format locks in within a few steps (LEARNING_PROBE: lr 3e-5
+    # learns fastest early, then plateaus). At 1e-5, 8 steps rose the held-out reward by +0.03 to +0.25
+    # over runs (flaky); at 3e-5 by +0.27 to +0.63 (4 runs, 75-85 s each).
+    recipe["optim"]["lr"] = 3.0e-5
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     res = subprocess.run(
@@ -37,6 +41,7 @@ def test_quickstart_reward_rises(tmp_path: Path) -> None:
     evals = [r for r in rows if r["kind"] == "eval"]
     before, after = evals[0]["reward_mean"], evals[-1]["reward_mean"]
     print(f"quickstart (8 steps): eval reward {before:.3f} -> {after:.3f}")
-    # 64 held-out tasks × 2 samples: a rise of 0.08 is ~3 standard errors at these rates.
-    assert after >= before + 0.08, f"held-out reward did not rise: {before:.3f} -> {after:.3f}"
+    # 64 held-out tasks × 2 samples: the standard error of the difference is ~0.05 at these rates, so a rise
+    # of 0.15 is 3 of them, and well under the smallest rise seen at this learning rate.
+    assert after >= before + 0.15, f"held-out reward did not rise: {before:.3f} -> {after:.3f}"
     assert len([r for r in rows if r["kind"] == "train"]) == 8

@@ -20,7 +20,7 @@ from tests.gateway.test_app_support import sse_payloads
 from tests.procs import ManagedProcess
 
 MODEL = "tiny-random"
-MAX = 400  # ~2-3 s on tiny-random; it rarely samples EOS that early
+GENERATION_S = 3.0  # how long the generation a swap lands in should run (the swap starts 0.5 s in)
 Q = [{"role": "user", "content": "Tell me a long story."}]
 
 
@@ -29,6 +29,18 @@ def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     """Its own gateway: these tests swap the engine's weights."""
     with serve_tiny(tmp_path_factory.mktemp("e2e-swap")) as p:
         yield p
+
+
+@pytest.fixture(scope="module")
+def max_tokens(gateway: ManagedProcess) -> int:
+    """Tokens that take ~GENERATION_S to generate on this machine (timed here; a fixed count ran out before
+    the swap on a fast machine). tiny-random rarely samples EOS that early."""
+    url = gateway.base_url + "/v1/chat/completions"
+    httpx.post(url, json={"model": MODEL, "messages": Q, "max_tokens": 16}, timeout=120)  # warm-up
+    t = time.perf_counter()
+    r = httpx.post(url, json={"model": MODEL, "messages": Q, "max_tokens": 200}, timeout=120)
+    per_token = (time.perf_counter() - t) / max(1, r.json()["usage"]["completion_tokens"])
+    return max(400, min(6000, int(GENERATION_S / per_token)))
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +95,10 @@ def _check_spans(choice: dict, before: str, after: str, n: int) -> None:
     assert len(choice["output_ids"]) == len(choice["output_logprobs"]) == n
 
 
-def test_non_stream_call_spans_a_swap(gateway: ManagedProcess, checkpoint: Path) -> None:
+def test_non_stream_call_spans_a_swap(gateway: ManagedProcess, checkpoint: Path, max_tokens: int) -> None:
     before = _current(gateway)
     url = gateway.base_url + "/rollouts/swap-ns/v1/chat/completions"
-    r, swap = _swap_during(gateway, lambda: httpx.post(url, json={"model": MODEL, "messages": Q, "max_tokens": MAX},
+    r, swap = _swap_during(gateway, lambda: httpx.post(url, json={"model": MODEL, "messages": Q, "max_tokens": max_tokens},
                                                        timeout=120),
                            {"model_path": str(checkpoint), "weight_version": "e2e-1"})
     assert swap.status_code == 200 and swap.json()["success"] is True, swap.text
@@ -95,7 +107,7 @@ def test_non_stream_call_spans_a_swap(gateway: ManagedProcess, checkpoint: Path)
     finish, n = body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]
     assert finish in ("stop", "length")
     if finish == "length":
-        assert n == MAX
+        assert n == max_tokens
     assert body["tracegym"]["weight_version"] == "e2e-1"
     _, choice = _span_choice(gateway, "swap-ns")
     _check_spans(choice, before, "e2e-1", n)
@@ -113,12 +125,12 @@ def test_non_stream_call_spans_a_swap(gateway: ManagedProcess, checkpoint: Path)
     assert entry["path"] == str(checkpoint) and entry["swap_seconds"] > 0
 
 
-def test_stream_spans_a_swap(gateway: ManagedProcess, checkpoint: Path) -> None:
+def test_stream_spans_a_swap(gateway: ManagedProcess, checkpoint: Path, max_tokens: int) -> None:
     before = _current(gateway)
     url = gateway.base_url + "/rollouts/swap-st/v1/chat/completions"
 
     def call() -> list[Any]:
-        with httpx.stream("POST", url, timeout=120, json={"model": MODEL, "messages": Q, "max_tokens": MAX,
+        with httpx.stream("POST", url, timeout=120, json={"model": MODEL, "messages": Q, "max_tokens": max_tokens,
                                                           "stream": True,
                                                           "stream_options": {"include_usage": True}}) as resp:
             assert resp.status_code == 200
@@ -131,7 +143,7 @@ def test_stream_spans_a_swap(gateway: ManagedProcess, checkpoint: Path) -> None:
     assert len([f for f in finishes if f]) == 1 and finishes[-1] in ("stop", "length")
     n = events[-2]["usage"]["completion_tokens"]
     if finishes[-1] == "length":
-        assert n == MAX
+        assert n == max_tokens
     assert events[-2]["tracegym"]["weight_version"] == "e2e-2"
     _, choice = _span_choice(gateway, "swap-st")
     _check_spans(choice, before, "e2e-2", n)
@@ -139,13 +151,13 @@ def test_stream_spans_a_swap(gateway: ManagedProcess, checkpoint: Path) -> None:
     assert choice["message"]["content"] == text
 
 
-def test_failed_swap_keeps_the_old_weights(gateway: ManagedProcess, tmp_path: Path) -> None:
+def test_failed_swap_keeps_the_old_weights(gateway: ManagedProcess, tmp_path: Path, max_tokens: int) -> None:
     before = _current(gateway)
     bad = tmp_path / "corrupt"
     bad.mkdir()
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")
     url = gateway.base_url + "/rollouts/swap-bad/v1/chat/completions"
-    r, swap = _swap_during(gateway, lambda: httpx.post(url, json={"model": MODEL, "messages": Q, "max_tokens": MAX},
+    r, swap = _swap_during(gateway, lambda: httpx.post(url, json={"model": MODEL, "messages": Q, "max_tokens": max_tokens},
                                                        timeout=120),
                            {"model_path": str(bad), "weight_version": "e2e-bad"})
     assert swap.status_code == 400

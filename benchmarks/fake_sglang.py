@@ -55,6 +55,7 @@ class Fake:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.pauses = 0  # bumped by each pause: generations started before it abort
+        self.cut: set[str] = set()  # rids /abort_request ended (slow generations stop at their next token)
         self.inflight = 0
 
     def plan(self, max_new: int | None, stops: list[str]) -> tuple[int, dict]:
@@ -125,9 +126,9 @@ class Fake:
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-        while k < total and self.pauses == epoch:
+        while k < total and self.pauses == epoch and rid not in self.cut:
             await asyncio.sleep(self.args.token_delay)
-            if self.pauses != epoch:
+            if self.pauses != epoch or rid in self.cut:
                 break
             k += 1
             if resp is not None:
@@ -177,7 +178,9 @@ class Fake:
         return web.Response(text="ok")
 
     async def abort(self, request: web.Request) -> web.Response:
-        self.aborted.append(orjson.loads(await request.read()).get("rid", ""))
+        rid = orjson.loads(await request.read()).get("rid", "")
+        self.aborted.append(rid)
+        self.cut.add(rid)
         return web.Response()
 
     async def debug(self, _: web.Request) -> web.Response:

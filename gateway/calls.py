@@ -67,7 +67,7 @@ def plan_prompt(svc: Services, parsed: ParsedRequest, ctx: CallContext) -> Promp
 
 
 def template_kwargs(parsed: ParsedRequest) -> dict[str, Any]:
-    kw = dict(parsed.body.get("chat_template_kwargs") or {})
+    kw = dict(parsed.template_kwargs or {})
     if parsed.tool_choice is not None:
         kw["tool_choice"] = parsed.tool_choice
     return kw
@@ -177,15 +177,16 @@ def prompt_token_count(result_prompt_tokens: int, prompt: Prompt) -> int:
 def build_record(
     svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt, choices: list[ChoiceRecord], *,
     weight_version: str | None, prompt_tokens: int, retokenized: bool, first_token_ns: int | None = None,
-    error: str | None = None, upstream_prompt_ids: list[int] | None = None,
+    error: str | None = None, upstream_prompt_ids: list[int] | None = None, reported_output_tokens: int = 0,
 ) -> CallRecord:
+    """The call's record; ``output_tokens`` counts the choices' ids, else what the upstream reported."""
     ids = upstream_prompt_ids if upstream_prompt_ids is not None else prompt.ids
     return CallRecord(
         call_id=ctx.call_id, rollout_id=ctx.rollout_id, operation=parsed.operation, model=svc.served_model,
         upstream_kind=svc.upstream.kind, request=parsed.body, choices=choices, prompt_ids=ids,
         task_id=ctx.task_id, agent_name=ctx.agent_name, weight_version=weight_version, drift=prompt.drift,
         prefix_len=prompt.prefix_len, retokenized=retokenized, input_tokens=prompt_tokens,
-        output_tokens=sum(len(c.output_ids or ()) for c in choices), start_time_ns=ctx.start_ns,
+        output_tokens=sum(len(c.output_ids or ()) for c in choices) or reported_output_tokens, start_time_ns=ctx.start_ns,
         end_time_ns=time.time_ns(), first_token_time_ns=first_token_ns,
         status="error" if error else "ok", error=error,
     )
@@ -244,11 +245,10 @@ def _response(
     ptoks = prompt_token_count(result.prompt_tokens, prompt)
     rec = build_record(svc, parsed, ctx, prompt, records, weight_version=result.weight_version,
                        prompt_tokens=ptoks, retokenized=result.retokenized,
-                       upstream_prompt_ids=result.prompt_ids)
-    rec.output_tokens = rec.output_tokens or result.completion_tokens
+                       upstream_prompt_ids=result.prompt_ids, reported_output_tokens=result.completion_tokens)
     body = {
         "id": ctx.call_id, "object": obj, "created": ctx.created, "model": svc.served_model,
-        "choices": out_choices, "usage": usage(ptoks, rec.output_tokens or result.completion_tokens),
+        "choices": out_choices, "usage": usage(ptoks, rec.output_tokens),
         "system_fingerprint": None, "tracegym": tracegym_field(ctx, result.weight_version, prompt),
     }
     if parsed.return_token_ids:  # vLLM's extension, so a gateway can sit behind another token-exactly

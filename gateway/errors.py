@@ -22,6 +22,7 @@ _TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     502: "upstream_error",
     503: "server_error",
@@ -62,10 +63,14 @@ class UpstreamTimeout(OpenAIError):
 
 
 class UpstreamRejected(OpenAIError):
-    """The upstream answered with an error status (4xx → 400 to the client, 5xx → 502)."""
+    """The upstream answered with an error status: 429 passes through (a client's SDK backs off and
+    retries it), 408 → 504, other 4xx → 400, 5xx → 502."""
 
     def __init__(self, upstream_status: int, message: str) -> None:
-        status = 400 if 400 <= upstream_status < 500 else 502
+        if upstream_status in (408, 429):
+            status = 504 if upstream_status == 408 else 429
+        else:
+            status = 400 if 400 <= upstream_status < 500 else 502
         super().__init__(status, f"upstream returned HTTP {upstream_status}: {message}", code="upstream_error")
         self.upstream_status = upstream_status
 

@@ -33,7 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracegym.gateway.templating import ChatTokenizer, check_tool_choice, check_tools, content_text
+from tracegym.gateway.templating import (
+    ChatTokenizer,
+    check_template_kwargs,
+    check_tool_choice,
+    check_tools,
+    content_text,
+)
+from tracegym.gateway.tools import parse_arguments
 from tracegym.types import CallRecord
 
 log = logging.getLogger(__name__)
@@ -55,12 +62,10 @@ class PromptPlan:
 
 
 def _canonical_arguments(arguments: Any) -> str:
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return "raw:" + arguments
-    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+    parsed = parse_arguments(arguments)
+    if isinstance(arguments, str) and parsed is arguments:  # not JSON: compared as sent
+        return "raw:" + arguments
+    return json.dumps(parsed, sort_keys=True, ensure_ascii=False)
 
 
 def message_key(m: dict[str, Any]) -> MsgKey:
@@ -94,7 +99,7 @@ def context_key(tools: Any, tool_choice: Any, kwargs: dict[str, Any]) -> str:
 
 def request_args(request: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:
     """``(messages, tools, template kwargs)`` of an OpenAI chat body, as ``plan_chat`` takes them."""
-    kwargs = dict(request.get("chat_template_kwargs") or {})
+    kwargs = check_template_kwargs(request.get("chat_template_kwargs"))
     kwargs["tool_choice"] = request.get("tool_choice")
     return request["messages"], request.get("tools"), kwargs
 
@@ -199,7 +204,7 @@ class PrefixCache:
         return self.plan_chat(rollout_id, messages, tools, **kwargs)
 
     def plan_chat(
-        self, rollout_id: str, messages: list[dict[str, Any]], tools: list | None, **template_kwargs: Any
+        self, rollout_id: str, messages: list[dict[str, Any]], tools: list | None, /, **template_kwargs: Any
     ) -> PromptPlan:
         tool_choice = template_kwargs.pop("tool_choice", None)
         if "add_generation_prompt" in template_kwargs:
@@ -337,7 +342,11 @@ class PrefixCache:
             return
         if record.call_id in state.call_ids:
             return
-        messages, tools, kwargs = request_args(record.request)
+        try:
+            messages, tools, kwargs = request_args(record.request)
+        except (KeyError, ValueError) as e:  # a stored body (e.g. ingested over OTLP) that is no chat request
+            log.warning("call %s cannot be a prefix parent: %r", record.call_id, e)
+            return
         tool_choice = kwargs.pop("tool_choice")
         ctx = context_key(tools, tool_choice, kwargs)
         pending = next((p for p in state.pending if p.ctx == ctx and p.prompt_ids == record.prompt_ids), None)

@@ -29,7 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from tracegym.gateway.prompt_cache import BoundedLRU, SegmentEncoder, render_key
-from tracegym.gateway.tools import format_assistant_content, tool_system_section
+from tracegym.gateway.tools import format_assistant_content, parse_arguments, tool_system_section
 
 
 class TemplateRenderError(ValueError):
@@ -124,14 +124,6 @@ def content_text(content: Any) -> str:
     )
 
 
-def _parsed_arguments(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments
-
 
 def check_tool_choice(tool_choice: Any) -> Any:
     """``None``/``"auto"`` → ``"auto"``; ``"none"``, ``"required"`` and a named function pass; else ValueError."""
@@ -148,6 +140,23 @@ def check_tool_choice(tool_choice: Any) -> Any:
     raise ValueError(
         f"tool_choice must be 'auto', 'none', 'required' or a named function, got {tool_choice!r}"
     )
+
+
+TEMPLATE_KWARGS_RESERVED = frozenset({"messages", "tools", "documents", "tool_choice", "add_generation_prompt"})
+"""Keys ``chat_template_kwargs`` may not set: the request itself sets them (``add_generation_prompt`` is
+always on for a chat completion)."""
+
+
+def check_template_kwargs(value: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` as a fresh dict (None → empty); ValueError for a non-object or a reserved
+    key."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"chat_template_kwargs must be an object, got {type(value).__name__}")
+    if reserved := TEMPLATE_KWARGS_RESERVED & value.keys():
+        raise ValueError(f"chat_template_kwargs cannot set {sorted(reserved)}: the request sets them")
+    return dict(value)
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -209,7 +218,7 @@ def _native_call(call: Any) -> dict[str, Any]:
             f"tool_calls entries must look like {{'function': {{'name', 'arguments'}}}}: {call!r}"
         )
     fn = dict(call["function"])
-    fn["arguments"] = _parsed_arguments(fn.get("arguments", {}))
+    fn["arguments"] = parse_arguments(fn.get("arguments", {}))
     return {**call, "function": fn}
 
 

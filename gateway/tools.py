@@ -18,7 +18,6 @@ Parsing rules (``parse_tool_calls`` and ``StreamingToolParser`` implement the sa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -32,15 +31,23 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
+def parse_arguments(arguments: Any) -> Any:
+    """A tool call's ``arguments`` as a value: a blank string is ``{}``, a JSON string its value, any other
+    string itself (rendered as the client sent it; also when it nests too deep to parse), a non-string
+    unchanged. The one reading of arguments for rendering and for comparing calls."""
+    if not isinstance(arguments, str):
+        return arguments
+    if not arguments.strip():
+        return {}
+    try:
+        return json.loads(arguments)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        return arguments
+
+
 def format_tool_call(name: str, arguments: Any) -> str:
     """The canonical text of one call. ``arguments`` is a dict or a JSON string (parsed when it is JSON)."""
-    if isinstance(arguments, str) and not arguments.strip():
-        arguments = {}
-    elif isinstance(arguments, str):
-        # a string that is not JSON is rendered as the string the client sent
-        with contextlib.suppress(ValueError):
-            arguments = json.loads(arguments)
-    body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    body = json.dumps({"name": name, "arguments": parse_arguments(arguments)}, ensure_ascii=False)
     return f"{OPEN_TAG}{body}{CLOSE_TAG}"
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from tracegym.gateway.errors import bad_request
+from tracegym.gateway.templating import check_template_kwargs
 from tracegym.gateway.upstream.base import Operation, SamplingParams
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -31,6 +32,8 @@ class ParsedRequest:
     prompt: str | list[int] | None = None
     return_token_ids: bool = False
     """vLLM's ``return_token_ids``: answer ``prompt_token_ids`` and ``choices[i].token_ids`` too."""
+    template_kwargs: dict[str, Any] | None = None
+    """``chat_template_kwargs``, checked (an object without the keys the request itself sets)."""
 
     @property
     def parse_tools(self) -> bool:
@@ -172,8 +175,12 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     stream, include_usage = _stream_flags(body)
+    try:
+        template_kwargs = check_template_kwargs(body.get("chat_template_kwargs"))
+    except ValueError as e:
+        raise bad_request(str(e), "chat_template_kwargs") from e
     return ParsedRequest(
-        operation="chat", body=body, model=model,
+        operation="chat", body=body, model=model, template_kwargs=template_kwargs,
         sampling=_sampling(body, max_key_first="max_completion_tokens"), stream=stream,
         include_usage=include_usage, logprobs=logprobs, top_logprobs=top, messages=messages, tools=tools,
         tool_choice=tool_choice, return_token_ids=_boolean(body, "return_token_ids"),

@@ -183,6 +183,7 @@ class StreamWriter:
         self.weight_version: str | None = None
         self.prompt_tokens = 0
         self.prompt_ids: list[int] | None = None
+        self.completion_tokens = 0  # as the upstream reported it (OpenAI-compatible usage chunk)
         self.first_token_ns: int | None = None
         self.on_done: Callable[[], None] | None = None
 
@@ -207,11 +208,14 @@ class StreamWriter:
         return sse(out)
 
     def on_event(self, ev: StreamEvent) -> list[bytes]:
-        if self.first_token_ns is None and (ev.choice.output_ids or ev.choice.text):
-            self.first_token_ns = time.time_ns()
         self.weight_version = ev.weight_version or self.weight_version
         self.prompt_tokens = ev.prompt_tokens or self.prompt_tokens
         self.prompt_ids = ev.prompt_ids or self.prompt_ids
+        if ev.choice is None:  # token counts only
+            self.completion_tokens = ev.completion_tokens or self.completion_tokens
+            return []
+        if self.first_token_ns is None and (ev.choice.output_ids or ev.choice.text):
+            self.first_token_ns = time.time_ns()
         st = self.choices.get(ev.choice.index)
         if st is None:
             raise OpenAIError(502, f"upstream streamed an unknown choice index {ev.choice.index}")
@@ -246,10 +250,11 @@ class StreamWriter:
         return [*out, DONE]
 
     def _prompt_tokens(self) -> int:
-        return prompt_token_count(self.prompt_tokens, self.prompt)
+        return self.prompt_tokens or (len(self.prompt_ids) if self.prompt_ids else
+                                      prompt_token_count(0, self.prompt))
 
     def _output_tokens(self) -> int:
-        return sum(len(s.ids) for s in self.choices.values())
+        return sum(len(s.ids) for s in self.choices.values()) or self.completion_tokens
 
     def record(self, error: str | None) -> None:
         records = []
@@ -267,7 +272,7 @@ class StreamWriter:
         rec = build_record(self.svc, self.parsed, self.ctx, self.prompt, records,
                            weight_version=self.weight_version, prompt_tokens=self._prompt_tokens(),
                            retokenized=retok, first_token_ns=self.first_token_ns, error=error,
-                           upstream_prompt_ids=self.prompt_ids)
+                           upstream_prompt_ids=self.prompt_ids, reported_output_tokens=self.completion_tokens)
         finish_call(self.svc, self.ctx, rec)
         if self.on_done is not None:
             self.on_done()

@@ -94,12 +94,15 @@ class GenerateResult:
 
 @dataclass(slots=True)
 class StreamEvent:
-    """A delta for one choice: the new ids/logprobs/text since the previous event of that choice."""
+    """A delta for one choice: the new ids/logprobs/text since the previous event of that choice; or,
+    with ``choice`` None, only the token counts an OpenAI-compatible server sends in its final usage
+    chunk."""
 
-    choice: GenChoice
+    choice: GenChoice | None
     prompt_tokens: int | None = None
     prompt_ids: list[int] | None = None
     weight_version: str | None = None
+    completion_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -96,6 +96,10 @@ def parse_stream_chunk(chunk: dict[str, Any], operation: str) -> list[StreamEven
         out.append(StreamEvent(choice=choice, prompt_tokens=usage.get("prompt_tokens"),
                                prompt_ids=list(prompt_ids) if prompt_ids else None,
                                weight_version=_weight_version(chunk)))
+    if not out and usage:  # the include_usage chunk: no choices, the call's token counts
+        out.append(StreamEvent(choice=None, prompt_tokens=usage.get("prompt_tokens"),
+                               completion_tokens=usage.get("completion_tokens"),
+                               weight_version=_weight_version(chunk)))
     return out
 
 

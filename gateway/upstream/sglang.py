@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tracegym.gateway.errors import UpstreamRejected
+from tracegym.gateway.errors import UpstreamRejected, UpstreamUnavailable
 from tracegym.gateway.swap import (
     MAX_CONTINUATIONS,
     JoinedChoice,
@@ -127,6 +127,12 @@ def _top_logprobs(item: dict[str, Any]) -> list[list[TopLogprob]] | None:
     return [[TopLogprob(int(t[1]), float(t[0]), t[2] if len(t) > 2 else None) for t in pos or []] for pos in tops]
 
 
+def upstream_aborted(ch: GenChoice) -> UpstreamUnavailable:
+    """An abort that was not a weight swap's pause (``/abort_request``, an engine failure): the call
+    failed upstream (OpenAI has no ``abort`` finish reason), recorded as an error."""
+    return UpstreamUnavailable(f"the upstream aborted the generation: {ch.error or 'no reason given'}")
+
+
 def parse_item(index: int, item: dict[str, Any]) -> GenChoice:
     meta = item["meta_info"]
     ids, lps = _ids_and_logprobs(item)
@@ -200,8 +206,10 @@ class SGLangUpstream(Upstream):
         ticket = self.gate.ticket()
         result = await self._generate_once(req)
         aborted = [c for c in result.choices if c.finish_reason == "abort"]
-        if not aborted or not self.gate.is_pause_abort(ticket):
+        if not aborted:
             return result
+        if not self.gate.is_pause_abort(ticket):
+            raise upstream_aborted(aborted[0])
         joined = await asyncio.gather(*(self._continue(req, c, result.weight_version) for c in aborted))
         by_index = {j.index: (j, c) for j, c in joined}
         result.choices = [by_index[c.index][1] if c.index in by_index else c for c in result.choices]
@@ -225,9 +233,9 @@ class SGLangUpstream(Upstream):
             part = res.choices[0]
             joined.add(part, res.weight_version)
             if part.finish_reason != "abort" or not self.gate.is_pause_abort(ticket):
-                final = joined.final(part.finish_reason, part.stop_matched)
-                final.error = part.error
-                return joined, final
+                if part.finish_reason == "abort":
+                    raise upstream_aborted(part)
+                return joined, joined.final(part.finish_reason, part.stop_matched)
         raise too_many_continuations(req.rid)
 
     async def _generate_once(self, req: GenerateRequest) -> GenerateResult:
@@ -265,7 +273,9 @@ class SGLangUpstream(Upstream):
         """Account a delta; a swap-abort becomes a plain delta and queues the choice for continuation."""
         ch = ev.choice
         j.add(ch, ev.weight_version)
-        if ch.finish_reason == "abort" and self.gate.is_pause_abort(ticket):
+        if ch.finish_reason == "abort":
+            if not self.gate.is_pause_abort(ticket):
+                raise upstream_aborted(ch)
             pending.append(j)
             ch.finish_reason = ch.error = None
             return ev if ch.output_ids else None

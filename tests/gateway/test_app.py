@@ -200,6 +200,10 @@ def test_models_and_rollout_models(gw) -> None:
      "temperature"),
     (b'{"model": "tiny-random", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages[0].role"),
     (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    (b'{"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 5}', 400,
+     "chat_template_kwargs"),
+    (b'{"model": "tiny-random", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
+     b'{"tools": []}}', 400, "chat_template_kwargs"),
 ])
 def test_bad_requests_get_openai_errors(gw, body, status, param) -> None:
     srv, _ = gw
@@ -208,6 +212,29 @@ def test_bad_requests_get_openai_errors(gw, body, status, param) -> None:
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+
+
+def test_template_kwargs_reach_the_template_on_both_paths(gw) -> None:
+    """Any non-reserved key is a template variable, also one named like a parameter of ours."""
+    srv, _ = gw
+    body = {"model": MODEL, "messages": Q, "max_tokens": 4, "chat_template_kwargs": {"rollout_id": "x"}}
+    for url in ("/v1/chat/completions", "/rollouts/tk-1/v1/chat/completions"):
+        r = _post(srv.url + url, body)
+        assert r.status_code == 200, r.text
+    r = _post(srv.url + "/rollouts/tk-1/v1/chat/completions", {**body, "chat_template_kwargs": "ab"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_tool_arguments_too_deep_to_parse_are_rendered_as_sent(gw) -> None:
+    """A client's arguments string that nests deeper than JSON parsing allows is kept as a string."""
+    srv, _ = gw
+    deep = "[" * 5000
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": deep}}
+    msgs = [*Q, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    for url in ("/v1/chat/completions", "/rollouts/deep-1/v1/chat/completions"):
+        r = _post(srv.url + url, {"model": MODEL, "messages": msgs, "max_tokens": 4})
+        assert r.status_code == 200, r.text
 
 
 def test_body_too_large_is_413(gw) -> None:

@@ -143,6 +143,46 @@ def test_stream_is_one_uninterrupted_stream_across_a_swap(gw, fake, tmp_path: Pa
     assert ch.message["content"] == text
 
 
+def _abort_during(fake: ManagedProcess, call: Any) -> Any:
+    """Run ``call()`` and abort its upstream request by rid (``/abort_request``, no weight swap)."""
+    first = len(_debug(fake)["requests"])
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", call()))
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(_debug(fake)["requests"]) <= first:
+        assert time.monotonic() < deadline, "the call never reached the fake"
+        time.sleep(0.01)
+    time.sleep(0.25)  # some tokens generated
+    httpx.post(fake.base_url + "/abort_request", json={"rid": _debug(fake)["requests"][first]["rid"]})
+    t.join(timeout=30)
+    return out["r"]
+
+
+def test_an_abort_that_is_no_swap_fails_the_call_and_is_recorded_as_an_error(gw, fake) -> None:
+    """OpenAI has no 'abort' finish reason: a non-stream call gets a 502, a stream an error event; the
+    span is an error (so assembly leaves it out), a streamed one with the tokens produced."""
+    srv, rec = gw
+    n0 = len(rec.records)
+    r = _abort_during(fake, lambda: httpx.post(srv.url + "/v1/chat/completions", json=CHAT, timeout=30))
+    assert r.status_code == 502 and "aborted" in r.json()["error"]["message"], r.text
+    call_rec = rec.wait_for(n0 + 1)[n0]
+    assert call_rec.status == "error" and "aborted" in call_rec.error
+
+    def stream() -> list[Any]:
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=30,
+                          json={**CHAT, "stream": True}) as resp:
+            assert resp.status_code == 200
+            return sse_payloads(list(resp.iter_lines()))
+
+    events = _abort_during(fake, stream)
+    assert events[-1] == "[DONE]" and "aborted" in events[-2]["error"]["message"]
+    assert not any(c["choices"][0]["finish_reason"] for c in events[:-2] if c.get("choices"))
+    call_rec = rec.wait_for(n0 + 2)[n0 + 1]
+    assert call_rec.status == "error" and "aborted" in call_rec.error
+    assert 0 < len(call_rec.choices[0].output_ids) < MAX
+
+
 def test_failed_swap_is_400_and_generation_continues_on_the_old_weights(gw, fake, tmp_path: Path) -> None:
     srv, rec = gw
     before = httpx.get(srv.url + "/api/weights").json()["weight_version"]

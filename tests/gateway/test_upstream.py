@@ -8,9 +8,11 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
+import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -18,6 +20,7 @@ from aiohttp.test_utils import TestServer
 from tests.gateway.test_app_support import REPLY, MemoryRecorder, ServerThread, sse_payloads, start_fake
 from tests.procs import ManagedProcess
 from tracegym.gateway.app import create_app
+from tracegym.gateway.errors import UpstreamRejected
 from tracegym.gateway.settings import GatewaySettings
 from tracegym.gateway.upstream.base import GenerateRequest, SamplingParams
 from tracegym.gateway.upstream.http import make_session
@@ -155,3 +158,55 @@ def test_litellm_upstream(inner) -> None:
         calls = rec.wait_for(2)
         assert [c.upstream_kind for c in calls] == ["litellm", "litellm"]
         assert all(c.retokenized and c.status == "ok" for c in calls)
+
+
+@pytest.mark.parametrize(("upstream", "status", "kind"), [
+    (429, 429, "rate_limit_error"), (408, 504, "upstream_timeout"), (404, 400, "invalid_request_error"),
+    (503, 502, "upstream_error"),
+])
+def test_upstream_error_statuses_map_to_what_clients_handle(upstream: int, status: int, kind: str) -> None:
+    """A rate limit stays a 429 (OpenAI SDKs back off and retry it); other rejections are the client's
+    request (400) or the upstream's failure (502/504)."""
+    e = UpstreamRejected(upstream, "nope")
+    assert (e.status, e.body()["error"]["type"]) == (status, kind)
+    assert f"HTTP {upstream}" in e.message
+
+
+def _plain_openai_server() -> Any:
+    """An OpenAI-compatible server without token ids (a hosted API): a two-chunk stream, then the
+    ``include_usage`` chunk with no choices."""
+    from fastapi import FastAPI
+    from starlette.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> StreamingResponse:
+        def chunk(**kw: Any) -> bytes:
+            return b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk", **kw}) + b"\n\n"
+
+        async def body() -> Any:
+            yield chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": "fi"}}])
+            yield chunk(choices=[{"index": 0, "delta": {"content": "ve"}, "finish_reason": "stop"}])
+            yield chunk(choices=[], usage={"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11})
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return app
+
+
+def test_openai_upstream_stream_usage_comes_from_its_usage_chunk() -> None:
+    """Without token ids the streamed call's usage is the upstream's own count, not zero."""
+    with ServerThread(_plain_openai_server()) as upstream:
+        rec = MemoryRecorder()
+        settings = GatewaySettings(upstream_kind="openai", upstream_url=upstream.url, model=MODEL, store_url=None)
+        with ServerThread(create_app(settings, recorder=rec)) as gw:
+            with httpx.stream("POST", gw.url + "/v1/chat/completions", timeout=30,
+                              json={"model": MODEL, "messages": Q, "stream": True,
+                                    "stream_options": {"include_usage": True}}) as r:
+                chunks = sse_payloads(list(r.iter_lines()))[:-1]
+            (call,) = rec.wait_for(1)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "five"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
+    assert (call.input_tokens, call.output_tokens, call.retokenized) == (9, 2, True)

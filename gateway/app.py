@@ -118,9 +118,9 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
     registry = CollectorRegistry()
     app.state.metrics_registry = registry
     session = make_session(settings.upstream_max_connections)
-    upstream = build_upstream(settings, session)
-    store = recorder = None
+    upstream = store = recorder = None
     try:
+        upstream = build_upstream(settings, session)
         await upstream.start()
         served, tdir = await _resolve_model(settings, upstream)
         tokenizer = prefix = None
@@ -133,11 +133,11 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
             from tracegym.gateway.prefix import PrefixCache
 
             prefix = PrefixCache(tokenizer, loader=store.list_call_records if store is not None else None)
-        app.state.settings, app.state.store, app.state.recorder = settings, store, recorder
+        app.state.store, app.state.recorder = store, recorder
         app.state.swap = _swap_coordinator(upstream, store)
         app.state.services = Services(
             settings=settings, upstream=upstream, served_model=served, tokenizer=tokenizer, prefix=prefix,
-            recorder=recorder, metrics=GatewayMetrics(registry), store=store, created=int(time.time()),
+            recorder=recorder, metrics=GatewayMetrics(registry), created=int(time.time()),
         )
         log.info("gateway serving %r via %s upstream %s (tokenizer %s, store %s)", served, upstream.kind,
                  settings.upstream_url, tdir, settings.store_url)
@@ -146,7 +146,8 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
             gc.freeze()
         yield
     finally:
-        await upstream.close()
+        if upstream is not None:
+            await upstream.close()
         await session.close()
         if recorder is not None:
             await asyncio.to_thread(recorder.shutdown)

@@ -79,7 +79,6 @@ class Services:
     prefix: PrefixCache | None
     recorder: Recorder | None
     metrics: GatewayMetrics
-    store: Any = None
     created: int = 0
     """Unix time the app started (``/v1/models`` ``created``)."""
 
@@ -90,9 +89,4 @@ async def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
-async def get_settings(request: Request) -> GatewaySettings:
-    return request.app.state.settings
-
-
 ServicesDep = Annotated[Services, Depends(get_services)]
-SettingsDep = Annotated[GatewaySettings, Depends(get_settings)]

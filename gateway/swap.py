@@ -185,7 +185,9 @@ class JoinedChoice:
         self.ids.extend(ch.output_ids or ())
         self.logprobs.extend(ch.logprobs or ())
         if ch.top_logprobs:
-            self.tops = [*(self.tops or []), *ch.top_logprobs]
+            if self.tops is None:
+                self.tops = []
+            self.tops.extend(ch.top_logprobs)
         self.text += ch.text or ""
         extend_spans(self.spans, version, start, len(self.ids))
 

@@ -113,18 +113,23 @@ def finish_reason(meta: dict[str, Any]) -> tuple[str | None, str | None]:
     return str(kind), None
 
 
-def _ids_and_logprobs(item: dict[str, Any]) -> tuple[list[int], list[float] | None]:
+def _ids_and_logprobs(item: dict[str, Any], start: int = 0) -> tuple[list[int], list[float] | None, int]:
+    """The output ids and logprobs from position ``start`` on (only those are converted), and the total
+    number of output tokens in ``item``."""
     triples = item["meta_info"].get("output_token_logprobs")
     if triples:
-        return [int(t[1]) for t in triples], [float(t[0]) for t in triples]
-    return list(item.get("output_ids") or []), None
+        new = triples[start:]
+        return [int(t[1]) for t in new], [float(t[0]) for t in new], len(triples)
+    ids = item.get("output_ids") or []
+    return list(ids[start:]), None, len(ids)
 
 
-def _top_logprobs(item: dict[str, Any]) -> list[list[TopLogprob]] | None:
+def _top_logprobs(item: dict[str, Any], start: int = 0) -> list[list[TopLogprob]] | None:
     tops = item["meta_info"].get("output_top_logprobs")
     if not tops:
         return None
-    return [[TopLogprob(int(t[1]), float(t[0]), t[2] if len(t) > 2 else None) for t in pos or []] for pos in tops]
+    return [[TopLogprob(int(t[1]), float(t[0]), t[2] if len(t) > 2 else None) for t in pos or []]
+            for pos in tops[start:]]
 
 
 def upstream_aborted(ch: GenChoice) -> UpstreamUnavailable:
@@ -135,7 +140,7 @@ def upstream_aborted(ch: GenChoice) -> UpstreamUnavailable:
 
 def parse_item(index: int, item: dict[str, Any]) -> GenChoice:
     meta = item["meta_info"]
-    ids, lps = _ids_and_logprobs(item)
+    ids, lps, _ = _ids_and_logprobs(item)
     reason, matched = finish_reason(meta)
     abort_msg = meta["finish_reason"].get("message") if reason == "abort" else None
     return GenChoice(
@@ -157,23 +162,21 @@ def parse_generate_response(body: Any) -> GenerateResult:
 
 
 class _CumulativeToDelta:
-    """Per-choice bookkeeping that turns SGLang's cumulative stream chunks into deltas."""
+    """Per-choice bookkeeping that turns SGLang's cumulative stream chunks into deltas (converting only
+    the new tokens of each chunk: the whole output every chunk would be quadratic)."""
 
     def __init__(self) -> None:
         self.seen: dict[int, int] = {}
-        self.tops_seen: dict[int, int] = {}
 
     def delta(self, item: dict[str, Any]) -> StreamEvent:
         index = int(item.get("index", 0))
         meta = item["meta_info"]
-        ids, lps = _ids_and_logprobs(item)
         start = self.seen.get(index, 0)
-        self.seen[index] = len(ids)
-        tops = _top_logprobs(item)
+        ids, lps, self.seen[index] = _ids_and_logprobs(item, start)
         reason, matched = finish_reason(meta)
         choice = GenChoice(
-            index=index, output_ids=ids[start:], logprobs=lps[start:] if lps is not None else None,
-            top_logprobs=tops[start:] if tops is not None else None, finish_reason=reason,
+            index=index, output_ids=ids, logprobs=lps, top_logprobs=_top_logprobs(item, start),
+            finish_reason=reason,
             stop_matched=matched,
             error=meta["finish_reason"].get("message") if reason == "abort" else None,
         )

@@ -151,12 +151,6 @@ class _Rollout:
         self.call_ids.add(call.call_id)
 
 
-def _splits_independently(tok: ChatTokenizer) -> bool:
-    """True when encoding a text piecewise at special tokens equals encoding it whole."""
-    pre = json.dumps(json.loads(tok.tokenizer.to_str()).get("pre_tokenizer"))
-    return '"prepend_scheme": "first"' not in pre
-
-
 # ------------------------------------------------------------------------------------------------ cache
 
 
@@ -184,9 +178,8 @@ class PrefixCache:
         self.max_rollouts = max_rollouts
         self.max_calls = max_calls_per_rollout
         self.loader = loader
-        self.full_check = full_check or not _splits_independently(tokenizer)
-        sources = "".join(tokenizer.templates.values())
-        self._split_tokens = [t for t in tokenizer.split_tokens if t in sources]
+        self.full_check = full_check or not tokenizer.segmented
+        self._split_tokens = list(tokenizer.template_split_tokens)
         self._rollouts: OrderedDict[str, _Rollout] = OrderedDict()
         self._trailer: str | bool | None = None  # None: not probed yet; False: unknown
         self.loads = 0  # how many times the loader was called (observability)

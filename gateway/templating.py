@@ -283,7 +283,9 @@ class ChatTokenizer:
         }
         """Special tokens the tokenizer always splits on: text can be encoded piecewise around them."""
         sources = "".join(templates.values())  # split where the template writes special tokens
-        self._encoder = SegmentEncoder(tokenizer, {t: i for t, i in self.split_tokens.items() if t in sources})
+        self.template_split_tokens = {t: i for t, i in self.split_tokens.items() if t in sources}
+        """The split tokens the chat templates write (where rendered text is cut for piecewise encoding)."""
+        self._encoder = SegmentEncoder(tokenizer, self.template_split_tokens)
         self._native = {name: re.search(r"\btools\b", src) is not None for name, src in templates.items()}
         # Rendered prompts by their JSON inputs; off for templates that read the clock or a random source.
         deterministic = not re.search(r"\b(strftime_now|lipsum|random)\b", sources)
@@ -325,6 +327,12 @@ class ChatTokenizer:
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos_ids)
+
+    @property
+    def segmented(self) -> bool:
+        """True when encoding a rendered text piecewise at ``template_split_tokens`` provably equals encoding
+        it whole (``prompt_cache.segmentable``)."""
+        return self._encoder.pieces
 
     @property
     def vocab_size(self) -> int:

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tracegym.trainer.engine.protocol import GenerateOptions, RequestSpec
-from tracegym.trainer.engine.request import GenRequest
+from tracegym.trainer.engine.request import GenRequest, Snapshot
 from tracegym.trainer.engine.sampling import make_generator
 from tracegym.trainer.engine.scheduler import Scheduler
 from tracegym.trainer.models import default_device, load_model, resolve_dtype
@@ -110,8 +110,10 @@ class Engine:
             stream=opts.stream,
         )
 
-    def _payload(self, r: GenRequest, final: bool) -> dict[str, Any]:
-        return r.to_json(self.tokenizer, self.scheduler.weight_version, final)
+    def _snapshot(self, r: GenRequest, final: bool) -> Snapshot:
+        """Taken on the model thread (O(1)); the JSON is built from it in the event loop, so detokenizing
+        and building logprob lists never stall the decode loop."""
+        return r.snapshot(self.scheduler.weight_version, final)
 
     async def generate(self, specs: list[RequestSpec], opts: GenerateOptions) -> list[dict[str, Any]]:
         """Run the requests to completion; one response object per request, in order."""
@@ -131,8 +133,16 @@ class Engine:
     def _future_setter(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future):
         def on_update(r: GenRequest, final: bool) -> None:
             if final:
-                payload = self._payload(r, True)
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(payload))
+                snap = self._snapshot(r, True)
+                loop.call_soon_threadsafe(resolve, r, snap)
+
+        def resolve(r: GenRequest, snap: Snapshot) -> None:
+            if fut.done():
+                return
+            try:
+                fut.set_result(r.render(self.tokenizer, snap))
+            except Exception as e:
+                fut.set_exception(e)
 
         return on_update
 
@@ -140,18 +150,20 @@ class Engine:
         """Cumulative chunks as the requests progress (with ``index`` when there are several). If the
         consumer stops early (client disconnect), the unfinished requests are aborted."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, dict[str, Any], bool]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Snapshot]] = asyncio.Queue()
         reqs = [self._request(s, opts) for s in specs]
         for i, r in enumerate(reqs):
             r.on_update = self._queue_putter(loop, queue, i)
         self.scheduler.submit(reqs)
+        memos: list[dict[str, list]] = [{} for _ in reqs]
         remaining = len(reqs)
         try:
             while remaining:
-                index, payload, final = await queue.get()
+                index, snap = await queue.get()
+                payload = reqs[index].render(self.tokenizer, snap, memos[index])
                 if len(reqs) > 1:
                     payload["index"] = index
-                remaining -= final
+                remaining -= snap.final
                 yield payload
         finally:
             if remaining:
@@ -161,7 +173,6 @@ class Engine:
 
     def _queue_putter(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
         def on_update(r: GenRequest, final: bool) -> None:
-            payload = self._payload(r, final)
-            loop.call_soon_threadsafe(queue.put_nowait, (index, payload, final))
+            loop.call_soon_threadsafe(queue.put_nowait, (index, self._snapshot(r, final)))
 
         return on_update

@@ -116,9 +116,7 @@ def parse_sampling_params(raw: dict | None) -> SamplingParams:
         no_stop_trim=_flag(raw, "no_stop_trim", False),
         skip_special_tokens=_flag(raw, "skip_special_tokens", True),
         n=_number(raw, "n", int, 1),
-        sampling_seed=_number(raw, "sampling_seed", int, None)
-        if raw.get("sampling_seed") is not None
-        else None,
+        sampling_seed=_number(raw, "sampling_seed", int, None),
         stream_interval=_number(raw, "stream_interval", int, 1),
     )
     _check_ranges(p)

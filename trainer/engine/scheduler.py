@@ -77,8 +77,9 @@ class Scheduler:
         self.frozen = False  # paused in place: running rows keep their cache but do not step
         self._cv = threading.Condition()
         self._incoming: deque[GenRequest] = deque()
-        self._commands: deque[Callable[[], None]] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._stopping = False
+        self._closed = False  # the model thread has ended: nothing will serve new requests or commands
         self._seq = itertools.count()
         self._waiting: deque[GenRequest] = deque()
         self._running: list[GenRequest] = []
@@ -91,7 +92,14 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        """The model thread is running (it only ends at ``stop()`` or on an internal error)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
+        """Abort everything and end the model thread (which then fails whatever is still queued)."""
+        if not self.alive():
+            return
         fut = self._command(lambda: self._abort_where(lambda r: True))
         with contextlib.suppress(Exception):
             fut.result(timeout=10)
@@ -106,6 +114,9 @@ class Scheduler:
                 r.seq = next(self._seq)
                 self._incoming.append(r)
             self._cv.notify_all()
+            closed = self._closed
+        if closed:
+            self._fail_orphans(RuntimeError("the engine's model thread is not running"))
 
     def abort(self, rid: str = "", *, abort_all: bool = False, exact: bool = False) -> Future:
         """Abort the requests whose rid starts with ``rid`` (SGLang's prefix rule; equals it with
@@ -163,17 +174,20 @@ class Scheduler:
 
     def _command(self, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn())
-            except Exception as e:  # handed to the caller through the future
-                fut.set_exception(e)
-
         with self._cv:
-            self._commands.append(run)
+            self._commands.append((fn, fut))
             self._cv.notify_all()
+            closed = self._closed
+        if closed:
+            self._fail_orphans(RuntimeError("the engine's model thread is not running"))
         return fut
+
+    @staticmethod
+    def _run_command(fn: Callable[[], Any], fut: Future) -> None:
+        try:
+            fut.set_result(fn())
+        except Exception as e:  # handed to the caller through the future
+            fut.set_exception(e)
 
     # ---------------------------------------------------------------- the model thread
 
@@ -186,25 +200,42 @@ class Scheduler:
         )
 
     def _loop(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._cv:
-                    while not self._has_work():
-                        self._cv.wait()
-                    if self._stopping:
-                        return
-                    commands, self._commands = list(self._commands), deque()
-                    self._waiting.extend(self._incoming)
-                    self._incoming.clear()
-                for cmd in commands:
-                    cmd()
-                try:
-                    self._admit()
-                    self._step()
-                except Exception as e:
-                    log.exception("engine step failed")
-                    self._fail_running(e)
+        err = RuntimeError("the engine stopped")
+        try:
+            with torch.inference_mode():
+                self._serve()
+        except BaseException as e:
+            # Not expected (steps and swaps handle their own errors), but whatever ends this thread must
+            # not leave callers waiting for requests or commands nobody will serve.
+            log.exception("the engine's model thread died")
+            err = RuntimeError(f"the engine's model thread died: {e!r}")
+        with self._cv:
+            self._closed = True
+        self._fail_orphans(err)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._has_work():
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = list(self._commands), deque()
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+            for fn, fut in commands:
+                self._run_command(fn, fut)
+            try:
+                self._admit()
+                self._step()
+            except Exception as e:
+                log.exception("engine step failed")
+                self._fail_running(e)
+            try:
                 self._swap_if_ready()
+            except Exception as e:  # defensive: ``_swap_if_ready`` fails its swap itself
+                log.exception("weight swap failed")
+                self._fail_swap(e)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
@@ -233,12 +264,17 @@ class Scheduler:
         new = [r for r in new if r.params.max_new_tokens > 0]
         if not new:
             return
-        with self._autocast():
-            batch, logits = kvb.prefill(self.model, [r.input_ids for r in new], self.device)
-        for r in new:
-            r.prefilled = True
+        try:
+            # Neither step touches the running batch, so a failure here fails the new requests only.
+            with self._autocast():
+                batch, logits = kvb.prefill(self.model, [r.input_ids for r in new], self.device)
+            merged = batch if self._batch is None else kvb.merge(self._batch, batch, self.model.config)
+        except Exception as e:
+            log.exception("prefill of %d requests failed", len(new))
+            self._fail(new, e)
+            return
         self.stats.prefill_batches += 1
-        self._batch = batch if self._batch is None else kvb.merge(self._batch, batch, self.model.config)
+        self._batch = merged
         self._running.extend(new)
         self._advance(new, logits)
         self._drop_finished()
@@ -310,12 +346,36 @@ class Scheduler:
         self._drop_finished()
         return n
 
-    def _fail_running(self, err: Exception) -> None:
-        for r in self._running:
+    def _fail(self, reqs: list[GenRequest], err: Exception) -> None:
+        for r in reqs:
             if not r.finished:
                 r.finish_reason = {"type": "abort", "message": f"engine error: {err}", "status_code": 500}
                 self._deliver(r)
+
+    def _fail_running(self, err: Exception) -> None:
+        self._fail(self._running, err)
         self._running, self._batch = [], None
+
+    def _fail_orphans(self, err: Exception) -> None:
+        """Fail every request, command and pending swap left behind by the model thread (only called once
+        it has ended its loop, so nothing else steps these requests)."""
+        with self._cv:
+            orphans = [*self._running, *self._waiting, *self._incoming]
+            self._running, self._batch = [], None
+            self._waiting.clear()
+            self._incoming.clear()
+            commands, self._commands = list(self._commands), deque()
+        self._fail(orphans, err)
+        self._fail_swap(err)
+        for _, fut in commands:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _fail_swap(self, err: Exception) -> None:
+        with self._cv:
+            swap, self._swap = self._swap, None
+        if swap is not None and not swap.future.done():
+            swap.future.set_exception(err)
 
     def _pause(self, mode: str) -> int:
         if mode not in ("abort", "in_place"):
@@ -334,7 +394,13 @@ class Scheduler:
         earlier = any(r.seq < s.barrier for r in self._waiting)
         if not self.paused and (self._running or earlier):
             return
-        apply_state(self.model, s.state)
+        try:
+            apply_state(self.model, s.state)
+        except Exception as e:
+            # Keep serving, with the old weights: ``apply_state`` stages every tensor before copying any.
+            log.exception("applying the new weights failed")
+            self._fail_swap(e)
+            return
         if s.version is not None:
             self.weight_version = s.version
         self.stats.weight_updates += 1

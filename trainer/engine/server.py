@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from tracegym.trainer.engine.protocol import parse_generate
 from tracegym.trainer.engine.runtime import Engine, EngineConfig, set_torch_threads
-from tracegym.trainer.engine.weights import WeightLoadError, read_checkpoint
+from tracegym.trainer.engine.weights import read_checkpoint
 
 log = logging.getLogger(__name__)
 VERSION = "tracegym-engine-0.1"
@@ -124,7 +124,7 @@ def create_app(config: EngineConfig) -> FastAPI:
                         state, None if version is None else str(version), abort_all
                     )
                 )
-            except (WeightLoadError, RuntimeError) as e:
+            except Exception as e:  # a failed load keeps the old weights (WeightLoadError, swap errors)
                 log.warning("weight update from %s failed: %s", path, e)
                 content = {
                     "success": False,
@@ -206,8 +206,9 @@ def create_app(config: EngineConfig) -> FastAPI:
 
     @app.get("/health")
     @app.get("/health_generate")
-    async def health() -> Response:
-        return Response(status_code=200)
+    async def health(request: Request) -> Response:
+        # Unhealthy once the model thread is gone: requests would no longer be served.
+        return Response(status_code=200 if eng(request).scheduler.alive() else 503)
 
     return app
 

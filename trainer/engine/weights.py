@@ -66,7 +66,10 @@ def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> di
 
 @torch.no_grad()
 def apply_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a validated state into ``model`` in place (cannot fail after ``validate_state``)."""
+    """Copy a validated state into ``model`` in place. Every tensor is first moved to its parameter's device
+    and dtype (the step that can fail, e.g. out of device memory) before any parameter is written, so a
+    failure leaves the served weights untouched."""
     params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
-    for name, t in state.items():
-        params[name].copy_(t.to(params[name].device))
+    staged = {name: t.to(device=params[name].device, dtype=params[name].dtype) for name, t in state.items()}
+    for name, t in staged.items():
+        params[name].copy_(t)

@@ -137,27 +137,37 @@ def token_top(svc: Services, t: TopLogprob) -> dict:
     return {"token": tok, "logprob": t.logprob, "bytes": list(tok.encode("utf-8"))}
 
 
-def chat_logprobs(svc: Services, ch: GenChoice) -> dict | None:
+def logprob_entries(svc: Services, ch: GenChoice) -> list[dict] | None:
+    """OpenAI chat logprob entries of the choice's tokens (None without ids or logprobs)."""
     if ch.output_ids is None or ch.logprobs is None:
         return None
     tops = ch.top_logprobs or [None] * len(ch.output_ids)
-    return {"content": [token_logprob(svc, i, lp, t) for i, lp, t in zip(ch.output_ids, ch.logprobs, tops,
-                                                                         strict=False)]}
+    return [token_logprob(svc, i, lp, t) for i, lp, t in zip(ch.output_ids, ch.logprobs, tops, strict=False)]
+
+
+def chat_logprobs(svc: Services, ch: GenChoice) -> dict | None:
+    entries = logprob_entries(svc, ch)
+    return None if entries is None else {"content": entries}
+
+
+def completion_logprobs_of(entries: list[dict], *, offsets: bool = True) -> dict:
+    """The legacy completions ``logprobs`` object of chat logprob entries (a streamed chunk has no
+    ``text_offset``)."""
+    out = {
+        "tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+    }
+    if offsets:
+        out["text_offset"], pos = [], 0
+        for e in entries:
+            out["text_offset"].append(pos)
+            pos += len(e["token"])
+    return out
 
 
 def completion_logprobs(svc: Services, ch: GenChoice) -> dict | None:
-    if ch.output_ids is None or ch.logprobs is None:
-        return None
-    entries = chat_logprobs(svc, ch)["content"]  # type: ignore[index]
-    offsets, pos = [], 0
-    for e in entries:
-        offsets.append(pos)
-        pos += len(e["token"])
-    return {
-        "tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
-    }
+    entries = logprob_entries(svc, ch)
+    return None if entries is None else completion_logprobs_of(entries)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -20,10 +20,11 @@ from tracegym.gateway.calls import (
     assistant_message,
     build_record,
     choice_record,
+    completion_logprobs_of,
     finish_call,
+    logprob_entries,
     openai_finish_reason,
     prompt_token_count,
-    token_logprob,
     tracegym_field,
     trim_stop,
     usage,
@@ -95,7 +96,7 @@ class ChoiceStream:
             self.logprobs.extend(ch.logprobs)
         new_text = self.decoder.push(ch.output_ids or []) if self.decoder else (ch.text or "")
         self.text += new_text
-        lps = self._logprobs(ch) if self.parsed.logprobs else None
+        lps = logprob_entries(self.svc, ch) if self.parsed.logprobs else None
         deltas = [{"tool_calls": ch.tool_call_deltas}] if ch.tool_call_deltas else []
         if ch.tool_call_deltas:
             self.saw_tool_call = True
@@ -137,13 +138,6 @@ class ChoiceStream:
         if self.parsed_calls:
             msg["tool_calls"] = self.parsed_calls
         return msg
-
-    def _logprobs(self, ch: GenChoice) -> list[dict] | None:
-        if ch.output_ids is None or ch.logprobs is None:
-            return None
-        tops = ch.top_logprobs or [None] * len(ch.output_ids)
-        return [token_logprob(self.svc, i, lp, t) for i, lp, t in zip(ch.output_ids, ch.logprobs, tops,
-                                                                       strict=False)]
 
     def final_choice(self) -> GenChoice:
         message = None
@@ -195,7 +189,7 @@ class StreamWriter:
             obj = "chat.completion.chunk"
         else:
             choice = {"index": index, "text": delta.get("content", ""), "finish_reason": finish,
-                      "logprobs": _completion_chunk_logprobs(logprobs) if logprobs else None}
+                      "logprobs": completion_logprobs_of(logprobs, offsets=False) if logprobs else None}
             obj = "text_completion"
         out: dict[str, Any] = {"id": self.ctx.call_id, "object": obj, "created": self.ctx.created,
                                "model": self.svc.served_model, "choices": [choice]}
@@ -276,11 +270,6 @@ class StreamWriter:
         finish_call(self.svc, self.ctx, rec)
         if self.on_done is not None:
             self.on_done()
-
-
-def _completion_chunk_logprobs(entries: list[dict]) -> dict:
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
 
 
 async def sse_stream(

@@ -14,19 +14,19 @@ import threading
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from tracegym.client import (
+    RETRY_STATUSES,
     AsyncGatewayClient,
     GatewayError,
     GatewayUnreachableError,
     LeaseLostError,
     SDKConfig,
-    current_config,
-    normalize_url,
+    config_for,
 )
-from tracegym.context import RolloutScope, enter_scope
+from tracegym.context import RolloutScope, enter_scope, validate_reward
 from tracegym.progress import Progress, RunStats
 
 log = logging.getLogger("tracegym.runner")
@@ -44,12 +44,16 @@ def is_async(fn: Any) -> bool:
 
 
 def as_reward(result: Any) -> float | None:
-    """The reward an agent's return value stands for (None: no reward)."""
+    """The reward an agent's return value stands for (None: no reward). Anything but None or a finite
+    real number raises (the runner then fails the rollout with that message)."""
     if result is None:
         return None
-    if isinstance(result, bool) or not isinstance(result, int | float):
-        raise TypeError(f"the agent returned {type(result).__name__} {result!r}; expected a float or None")
-    return float(result)
+    try:
+        return validate_reward(result)
+    except (TypeError, ValueError) as e:
+        raise type(e)(
+            f"the agent returned {type(result).__name__} {result!r} ({e}); expected a float or None"
+        ) from None
 
 
 def rollout_base_url(gateway: str, rollout_id: str) -> str:
@@ -97,9 +101,8 @@ class Runner:
             self.fn: Agent = load_target(self.agent)
         else:
             self.fn = self.agent
-        base = self.config or current_config()
-        url = normalize_url(self.gateway) if self.gateway else base.gateway_url
-        self.config = SDKConfig(url, self.api_key or base.api_key, base.timeout, base.retry)
+        base = config_for(self.gateway, self.config)
+        self.config = replace(base, api_key=self.api_key or base.api_key)
         self.worker_id = self.worker_id or default_worker_id()
         self._flights: dict[str, _Flight] = {}
         self._changed = asyncio.Event()
@@ -155,11 +158,14 @@ class Runner:
 
     async def _claim(self, limit: int) -> list[dict[str, Any]]:
         """Claim up to ``limit`` rollouts. An unreachable gateway is fatal until it has answered once
-        (a wrong URL fails fast); after that the runner waits for it (a gateway restart)."""
+        (a wrong URL fails fast); after that the runner waits for it (a gateway restart). A claim is
+        not retried inside the client once sent (a repeat would claim more), so a timeout or a 5xx
+        answer is retried here, at the next poll."""
         try:
             claimed = await self._api.claim(self.worker_id or "", limit, self.lease_seconds)
-        except GatewayUnreachableError as e:
-            if not self._gateway_seen:
+        except GatewayError as e:
+            transient = isinstance(e, GatewayUnreachableError) or e.status in RETRY_STATUSES
+            if not (transient and self._gateway_seen):
                 raise
             log.warning("claim failed, will retry: %s", e)
             return []
@@ -223,8 +229,13 @@ class Runner:
                 return
             if not (flight.lost or flight.released):
                 await self._finish(flight, "complete", reward=reward)
+        except Exception:  # a bug here must not vanish into an un-awaited task
+            log.exception("rollout %s: the runner failed to finish it; counted as failed", rid)
+            self.stats.failed += 1
         finally:
-            self._flights.pop(rid, None)
+            # a rollout re-claimed after this run lost its lease has a new flight: leave that one alone
+            if self._flights.get(rid) is flight:
+                del self._flights[rid]
             self.stats.running = len(self._flights)
             self._changed.set()
 
@@ -248,19 +259,39 @@ class Runner:
         error: str = "",
         tb: str | None = None,
     ) -> None:
+        """Report the result. Never raises: a result the gateway refuses (4xx on complete) fails the
+        rollout with the gateway's message; one that cannot be reported at all is logged and counted as
+        failed (the rollout stays running until its lease expires, then the gateway requeues it)."""
         rid = flight.rollout["rollout_id"]
+        worker = self.worker_id or ""
         try:
             if how == "complete":
-                done = await self._api.complete(rid, self.worker_id or "", reward)
-                # the gateway's reward: the one passed here, else the last one sent with tg.reward
-                self.stats.record_done(done.get("reward", reward) if isinstance(done, dict) else reward)
-            else:
-                log.warning("rollout %s failed: %s", rid, error.splitlines()[0] if error else "")
-                await self._api.fail(rid, self.worker_id or "", error, tb)
-                self.stats.failed += 1
+                try:
+                    done = await self._api.complete(rid, worker, reward)
+                except LeaseLostError:
+                    raise
+                except GatewayError as e:
+                    if e.status is None or not 400 <= e.status < 500:
+                        raise
+                    error, tb = f"the gateway refused to complete the rollout: {e}", None
+                else:
+                    # the gateway's reward: the one passed here, else the last one sent with tg.reward
+                    self.stats.record_done(done.get("reward", reward) if isinstance(done, dict) else reward)
+                    return
+            log.warning("rollout %s failed: %s", rid, error.splitlines()[0] if error else "")
+            await self._api.fail(rid, worker, error, tb)
+            self.stats.failed += 1
         except LeaseLostError as e:
             log.warning("rollout %s: lease lost before it finished (%s); result dropped", rid, e)
             self.stats.lost += 1
+        except GatewayError as e:
+            log.error(
+                "rollout %s: could not report its result to the gateway (%s); counted as failed, the "
+                "gateway requeues it when its lease expires",
+                rid,
+                e,
+            )
+            self.stats.failed += 1
 
     async def _heartbeats(self) -> None:
         interval = max(0.2, self.lease_seconds / 3)

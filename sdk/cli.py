@@ -19,6 +19,14 @@ _TARGETS = {
     "db": "tracegym.gateway.store.migrate:main",
     "models": "tracegym.trainer.models:main",
 }
+# subcommand -> the extra (pyproject.toml) its implementation needs beyond the bare SDK
+_EXTRAS = {
+    "serve": "gateway",
+    "db": "gateway",
+    "engine": "trainer",
+    "models": "trainer",
+    "train": "gateway,trainer",  # the loop starts the gateway as well as the engine
+}
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -102,14 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(target: str) -> Callable[[argparse.Namespace], int | None]:
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
+def _load(command: str) -> Callable[[argparse.Namespace], int | None]:
+    """The implementation of ``command``. A third-party package it needs that is missing (the bare SDK
+    installed without the extra) exits with the ``pip install`` that adds it, not a traceback."""
+    module, func = _TARGETS[command].split(":")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").partition(".")[0]
+        extra = _EXTRAS.get(command)
+        if not missing or missing == "tracegym" or extra is None:
+            raise
+        raise SystemExit(
+            f"tracegym {command}: the {missing!r} package is not installed; `tracegym {command}` needs "
+            f"the {extra} extra: pip install 'tracegym[{extra}]'"
+        ) from None
+    return getattr(mod, func)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rc = _load(_TARGETS[args.command])(args)
+    rc = _load(args.command)(args)
     return int(rc or 0)
 
 

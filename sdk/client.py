@@ -3,6 +3,12 @@
 Every call retries transport errors, timeouts and 408/429/5xx answers with exponential backoff, then
 raises ``GatewayUnreachableError`` naming the URL and the last error. Other 4xx answers raise
 ``GatewayError`` at once with the gateway's message (``LeaseLostError`` for 409).
+
+Requests the gateway does not deduplicate (``idempotent=False``: enqueue, claim, fail) are retried only
+when they were never sent (the connection could not be opened): after a timeout or a 5xx answer the
+gateway may have acted on them, and a second try would enqueue the tasks twice or use two attempts.
+They raise at once instead (``GatewayUnreachableError`` for a transport error, ``GatewayError`` with the
+status for an error answer).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import httpx
 
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# transport errors raised before any byte of the request was sent: safe to retry any request
+UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 class GatewayError(RuntimeError):
@@ -133,6 +141,13 @@ def current_config() -> SDKConfig:
     return _CONFIG.resolve()
 
 
+def config_for(gateway: str | None, base: SDKConfig | None = None) -> SDKConfig:
+    """``base`` (default: the current configuration: ``tg.configure``, ``$TRACEGYM_GATEWAY``,
+    ``$TRACEGYM_API_KEY``) with ``gateway`` as its URL when given (the ``--gateway`` options)."""
+    config = base or current_config()
+    return replace(config, gateway_url=normalize_url(gateway)) if gateway else config
+
+
 def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -172,6 +187,36 @@ def _jitter(delay: float) -> float:
     return delay * random.uniform(0.75, 1.25)
 
 
+def _http_kwargs(config: SDKConfig) -> dict[str, Any]:
+    """The arguments of the ``httpx.Client``/``httpx.AsyncClient`` behind a gateway client."""
+    return {
+        "base_url": config.gateway_url,
+        "headers": config.headers(),
+        "timeout": config.timeout,
+        "verify": _ssl_context(),
+    }
+
+
+def _retry_reason(outcome: httpx.Response | httpx.TransportError, idempotent: bool) -> str | None:
+    """Why this try should be repeated (the "last error" of the final message), or None when its outcome
+    stands: a response is then checked (``_check``), a transport error raised (``_not_retried``).
+    A request the gateway does not deduplicate is repeated only when it was never sent."""
+    if isinstance(outcome, httpx.TransportError):
+        if idempotent or isinstance(outcome, UNSENT_ERRORS):
+            return f"{type(outcome).__name__}: {outcome}"
+        return None
+    if idempotent and outcome.status_code in RETRY_STATUSES:
+        return f"HTTP {outcome.status_code}: {_error_text(outcome)}"
+    return None
+
+
+def _not_retried(cfg: SDKConfig, what: str, e: httpx.TransportError) -> GatewayUnreachableError:
+    return GatewayUnreachableError(
+        f"{what}: no answer from the tracegym gateway at {cfg.gateway_url} ({type(e).__name__}: {e}); "
+        "not retried, since the gateway may have acted on the request and does not deduplicate it"
+    )
+
+
 def _give_up(cfg: SDKConfig, what: str, last: str) -> GatewayUnreachableError:
     total = sum(cfg.retry.delays())
     return GatewayUnreachableError(
@@ -186,12 +231,7 @@ class GatewayClient:
 
     def __init__(self, config: SDKConfig | None = None) -> None:
         self.config = config or current_config()
-        self._http = httpx.Client(
-            base_url=self.config.gateway_url,
-            headers=self.config.headers(),
-            timeout=self.config.timeout,
-            verify=_ssl_context(),
-        )
+        self._http = httpx.Client(**_http_kwargs(self.config))
 
     def close(self) -> None:
         self._http.close()
@@ -202,7 +242,9 @@ class GatewayClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def request(self, method: str, path: str, what: str, **kw: Any) -> httpx.Response:
+    def request(
+        self, method: str, path: str, what: str, *, idempotent: bool = True, **kw: Any
+    ) -> httpx.Response:
         last = "none"
         for delay in [0.0, *self.config.retry.delays()]:
             if delay:
@@ -210,16 +252,19 @@ class GatewayClient:
             try:
                 resp = self._http.request(method, path, **kw)
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
+                if (reason := _retry_reason(e, idempotent)) is None:
+                    raise _not_retried(self.config, what, e) from e
+                last = reason
                 continue
-            if resp.status_code in RETRY_STATUSES:
-                last = f"HTTP {resp.status_code}: {_error_text(resp)}"
+            if (reason := _retry_reason(resp, idempotent)) is not None:
+                last = reason
                 continue
             return _check(resp, what)
         raise _give_up(self.config, what, last)
 
-    def post(self, path: str, body: dict[str, Any], what: str) -> Any:
-        return self.request("POST", path, what, json=body).json()
+    def post(self, path: str, body: dict[str, Any], what: str, *, idempotent: bool = True) -> Any:
+        """POST ``body``; pass ``idempotent=False`` unless the gateway dedups a repeat (see the module doc)."""
+        return self.request("POST", path, what, idempotent=idempotent, json=body).json()
 
     def get(self, path: str, what: str, params: dict[str, Any] | None = None) -> Any:
         return self.request("GET", path, what, params=_clean(params)).json()
@@ -243,7 +288,8 @@ class GatewayClient:
         self, tasks: list[dict[str, Any]], *, group_size: int = 1, max_attempts: int = 3
     ) -> list[dict[str, Any]]:
         body = {"tasks": tasks, "group_size": group_size, "max_attempts": max_attempts}
-        return self.post("/api/tasks", body, "enqueue tasks")["tasks"]
+        # not idempotent: every enqueue creates new rollouts
+        return self.post("/api/tasks", body, "enqueue tasks", idempotent=False)["tasks"]
 
     def add_event(self, rollout_id: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.post(f"/api/rollouts/{rollout_id}/{kind}", body, f"send {kind[:-1]} for {rollout_id}")
@@ -270,12 +316,7 @@ class AsyncGatewayClient:
 
     def __init__(self, config: SDKConfig | None = None) -> None:
         self.config = config or current_config()
-        self._http = httpx.AsyncClient(
-            base_url=self.config.gateway_url,
-            headers=self.config.headers(),
-            timeout=self.config.timeout,
-            verify=_ssl_context(),
-        )
+        self._http = httpx.AsyncClient(**_http_kwargs(self.config))
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -286,7 +327,8 @@ class AsyncGatewayClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def post(self, path: str, body: dict[str, Any], what: str) -> Any:
+    async def post(self, path: str, body: dict[str, Any], what: str, *, idempotent: bool = True) -> Any:
+        """POST ``body``; pass ``idempotent=False`` unless the gateway dedups a repeat (see the module doc)."""
         last = "none"
         for delay in [0.0, *self.config.retry.delays()]:
             if delay:
@@ -294,10 +336,12 @@ class AsyncGatewayClient:
             try:
                 resp = await self._http.post(path, json=body)
             except httpx.TransportError as e:
-                last = f"{type(e).__name__}: {e}"
+                if (reason := _retry_reason(e, idempotent)) is None:
+                    raise _not_retried(self.config, what, e) from e
+                last = reason
                 continue
-            if resp.status_code in RETRY_STATUSES:
-                last = f"HTTP {resp.status_code}: {_error_text(resp)}"
+            if (reason := _retry_reason(resp, idempotent)) is not None:
+                last = reason
                 continue
             return _check(resp, what).json()
         raise _give_up(self.config, what, last)
@@ -308,7 +352,8 @@ class AsyncGatewayClient:
 
     async def claim(self, worker_id: str, limit: int, lease_seconds: float) -> list[dict[str, Any]]:
         body = {"worker_id": worker_id, "limit": limit, "lease_seconds": lease_seconds}
-        return (await self.post("/api/rollouts/claim", body, "claim rollouts"))["rollouts"]
+        # not idempotent: a repeat claims more rollouts (those of a lost answer wait for their lease to expire)
+        return (await self.post("/api/rollouts/claim", body, "claim rollouts", idempotent=False))["rollouts"]
 
     async def heartbeat(self, rollout_id: str, worker_id: str, lease_seconds: float) -> dict[str, Any]:
         body = {"worker_id": worker_id, "lease_seconds": lease_seconds}
@@ -318,13 +363,18 @@ class AsyncGatewayClient:
         body: dict[str, Any] = {"worker_id": worker_id}
         if reward is not None:
             body["reward"] = reward
+        # idempotent: completing a completed rollout returns it unchanged
         return await self.post(f"/api/rollouts/{rollout_id}/complete", body, f"complete {rollout_id}")
 
     async def fail(self, rollout_id: str, worker_id: str, error: str, tb: str | None) -> dict[str, Any]:
         body = {"worker_id": worker_id, "error": error, "traceback": tb}
-        return await self.post(f"/api/rollouts/{rollout_id}/fail", body, f"fail {rollout_id}")
+        # not idempotent: a repeat after the requeue would use a second attempt
+        return await self.post(
+            f"/api/rollouts/{rollout_id}/fail", body, f"fail {rollout_id}", idempotent=False
+        )
 
     async def release(self, rollout_id: str, worker_id: str) -> dict[str, Any]:
+        # a repeat after a release that went through changes nothing (it answers 409)
         body = {"worker_id": worker_id}
         return await self.post(f"/api/rollouts/{rollout_id}/release", body, f"release {rollout_id}")
 

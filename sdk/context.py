@@ -186,12 +186,18 @@ def _require_scope(what: str) -> RolloutScope:
     return scope
 
 
-def _reward_body(value: float, name: str | None, call_index: int | None) -> dict[str, Any]:
+def validate_reward(value: Any) -> float:
+    """``value`` as a reward: a finite real number (not a bool), which is what the gateway accepts.
+    Raises TypeError or ValueError with the reason otherwise."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"a reward must be a real number, got {type(value).__name__}: {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"a reward must be finite, got {value!r}")
-    body: dict[str, Any] = {"value": float(value), "idempotency_key": uuid.uuid4().hex}
+    return float(value)
+
+
+def _reward_body(value: float, name: str | None, call_index: int | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"value": validate_reward(value), "idempotency_key": uuid.uuid4().hex}
     if name is not None:
         body["name"] = name
     if call_index is not None:

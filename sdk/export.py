@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from tracegym.client import GatewayClient, GatewayError, SDKConfig, current_config, normalize_url
+from tracegym.client import GatewayClient, GatewayError, config_for
 from tracegym.progress import Progress
 
 REQUEST_ATTR = "tracegym.request"
@@ -105,9 +105,7 @@ def export(
 
 
 def main(args: argparse.Namespace) -> int:
-    config = current_config()
-    if args.gateway:
-        config = SDKConfig(normalize_url(args.gateway), config.api_key, config.timeout, config.retry)
+    config = config_for(args.gateway)
     out_path = Path(args.out)
     tmp = out_path.with_name(out_path.name + ".part")
     bar = Progress(sys.stderr, interval=5.0)

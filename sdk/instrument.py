@@ -74,7 +74,3 @@ def install() -> None:
         setattr(asend, _MARK, True)
         httpx.Client.send = send  # type: ignore[method-assign]
         httpx.AsyncClient.send = asend  # type: ignore[method-assign]
-
-
-def installed() -> bool:
-    return bool(getattr(httpx.Client.send, _MARK, False))

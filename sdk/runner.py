@@ -9,7 +9,8 @@ Call convention: the agent is ``def agent(task, base_url) -> float | None`` (or 
   httpx calls to the gateway are attributed even with another base_url.
 - Returning a number completes the rollout with that reward; returning None completes it with the
   rewards sent through ``tg.reward`` (if any). Raising fails it with the traceback stored (the queue
-  retries it up to its ``max_attempts``). Anything else returned fails it with a TypeError.
+  retries it up to its ``max_attempts``). Anything else returned fails it with a TypeError (a NaN or
+  infinite number with a ValueError: the gateway stores finite rewards only).
 
 Sync agents run in their own daemon threads, async ones on the runner's event loop; at most
 ``concurrency`` at once. While a rollout runs its lease is renewed every ``lease_seconds / 3``.
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tracegym.agent_runner import Agent, Runner, StopEvent, as_reward, rollout_base_url
-from tracegym.client import GatewayClient, GatewayError, SDKConfig, current_config, normalize_url
+from tracegym.client import GatewayClient, GatewayError, config_for
 from tracegym.progress import RunStats
 
 __all__ = [
@@ -171,9 +172,7 @@ def enqueue_main(args: argparse.Namespace) -> int:
     tasks = read_tasks(args.dataset)
     if not tasks:
         raise SystemExit(f"{args.dataset}: no tasks")
-    config = current_config()
-    if args.gateway:
-        config = SDKConfig(normalize_url(args.gateway), config.api_key, config.timeout, config.retry)
+    config = config_for(args.gateway)
     n_rollouts = 0
     with GatewayClient(config) as client:
         for i in range(0, len(tasks), 500):

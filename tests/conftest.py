@@ -1,5 +1,5 @@
-"""Shared fixtures: free ports, real child processes (always cleaned up), store URLs for SQLite and a
-real PostgreSQL, and the ``tiny-random`` model prepared once per session."""
+"""Shared fixtures: store URLs for SQLite and a real PostgreSQL, and the ``tiny-random`` model prepared
+once per session. Free ports and real child processes (always cleaned up) are in ``tests/procs.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import PG_ADMIN_URL, ManagedProcess, free_port, pg_available, start_process  # noqa: F401
+from tests.procs import PG_ADMIN_URL, pg_available
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +46,6 @@ def pg_url() -> Iterator[str]:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.pg)])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def store_url(request: pytest.FixtureRequest) -> str:
     """Runs a test once against SQLite and once against a real PostgreSQL."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'tracegym.db'}"
-    return request.getfixturevalue("pg_url")
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tracegym.client import GatewayClient, SDKConfig
+from tracegym.client import GatewayClient, config_for
 from tracegym.types import Trajectory
 
 TERMINAL = {"completed", "failed"}
@@ -33,7 +33,8 @@ class Group:
 
 class ControlClient:
     def __init__(self, gateway_url: str, *, timeout: float = 60.0) -> None:
-        self.client = GatewayClient(SDKConfig(gateway_url=gateway_url.rstrip("/"), timeout=timeout))
+        # the current configuration ($TRACEGYM_API_KEY, tg.configure's retries) with this gateway
+        self.client = GatewayClient(replace(config_for(gateway_url), timeout=timeout))
 
     def close(self) -> None:
         self.client.close()

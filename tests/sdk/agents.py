@@ -26,6 +26,10 @@ def bad_return(task: Any, base_url: str) -> str:
     return "not a reward"
 
 
+def nan_reward(task: Any, base_url: str) -> float:
+    return float("nan")  # a float the gateway cannot store
+
+
 def reward_via_sdk(task: dict[str, Any], base_url: str) -> None:
     tg.reward(task["reward"])
     tg.emit("seen_headers", httpx.get(base_url.split("/rollouts/")[0] + "/echo").json().get("x-rollout-id"))

@@ -31,6 +31,12 @@ class FakeState:
     spans: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     heartbeats: list[str] = field(default_factory=list)
     lost: set[str] = field(default_factory=set)
+    reject_complete: str | None = None
+    """Answer every ``complete`` with 400 and this message (a result the gateway refuses)."""
+    fail_finish: int = 0
+    """Answer the next N ``complete``/``fail`` requests with 503, without acting on them."""
+    finish_calls: list[tuple[str, str]] = field(default_factory=list)
+    """(``complete``|``fail``, rollout id) of every such request, in order."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def rewards(self, rollout_id: str) -> list[dict[str, Any]]:
@@ -100,6 +106,8 @@ def build_app(state: FakeState) -> FastAPI:
 
     @app.post("/api/tasks")
     async def tasks(request: Request) -> JSONResponse:
+        if (resp := maybe_fail()) is not None:
+            return resp
         body = await request.json()
         out = []
         for t in body["tasks"]:
@@ -125,6 +133,10 @@ def build_app(state: FakeState) -> FastAPI:
                 state.queue.append(r)
                 rids.append(rid)
             out.append({"task_id": tid, "group_id": gid, "rollout_ids": rids})
+        with state.lock:
+            if state.store_then_fail and state.fail_next > 0:
+                state.fail_next -= 1
+                return _err(503, "enqueued, but the answer is lost")
         return JSONResponse({"tasks": out}, 201)
 
     @app.post("/api/rollouts/claim")
@@ -154,14 +166,28 @@ def build_app(state: FakeState) -> FastAPI:
         resp = finish(rid, await request.json())
         return resp if isinstance(resp, JSONResponse) else {"lease_expires_at": "later"}
 
+    def finish_refused(kind: str, rid: str) -> JSONResponse | None:
+        with state.lock:
+            state.finish_calls.append((kind, rid))
+            if state.fail_finish > 0:
+                state.fail_finish -= 1
+                return _err(503, "injected failure")
+        if kind == "complete" and state.reject_complete is not None:
+            return _err(400, state.reject_complete)
+        return None
+
     @app.post("/api/rollouts/{rid}/complete")
     async def complete(rid: str, request: Request) -> Any:
         body = await request.json()
+        if (resp := finish_refused("complete", rid)) is not None:
+            return resp
         return finish(rid, body, status="completed", reward=body.get("reward"))
 
     @app.post("/api/rollouts/{rid}/fail")
     async def fail(rid: str, request: Request) -> Any:
         body = await request.json()
+        if (resp := finish_refused("fail", rid)) is not None:
+            return resp
         return finish(rid, body, status="failed", error=body["error"], traceback=body.get("traceback"))
 
     @app.post("/api/rollouts/{rid}/release")

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -16,10 +13,11 @@ from typing import Any
 import pytest
 
 import tracegym as tg
+from tests.procs import ManagedProcess, start_process
 from tests.sdk import agents
 from tests.sdk.fake_gateway import FakeGateway
 from tracegym.client import GatewayClient
-from tracegym.runner import Runner, enqueue_main, load_target, read_tasks, run_agent
+from tracegym.runner import Runner, as_reward, enqueue_main, load_target, read_tasks, run_agent
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,6 +126,88 @@ async def test_lost_lease_drops_result(gw: FakeGateway) -> None:
     assert gw.state.rollouts[rids[0]]["status"] == "running"  # nothing written over the new owner
 
 
+async def test_reclaimed_rollout_keeps_its_new_run(gw: FakeGateway) -> None:
+    (rid,) = enqueue(gw, [{"sleep": 0.8}])
+    gw.state.lost.add(rid)  # the first run's heartbeat finds its lease lost; its sync agent runs on
+    runner = Runner(agents.slow, gw.url, lease_seconds=0.6, exit_when_idle=True, poll_interval=0.05)
+    task = asyncio.create_task(runner.run())
+    deadline = time.monotonic() + 5
+    while runner.stats.lost == 0:
+        assert time.monotonic() < deadline, "the lease was never found lost"
+        await asyncio.sleep(0.01)
+    with gw.state.lock:  # the gateway requeues it and the runner claims it back: a second run starts
+        gw.state.lost.discard(rid)
+        gw.state.rollouts[rid]["status"] = "queued"
+        gw.state.queue.append(gw.state.rollouts[rid])
+    stats = await asyncio.wait_for(task, 10)
+    # the abandoned first run ending (~0.8 s) must not drop the second run's flight (ends ~0.3 s later)
+    assert (stats.lost, stats.done, stats.failed) == (1, 1, 0)
+    assert status(gw, [rid]) == [("completed", 1.0)]
+
+
+async def test_nan_return_fails_the_rollout(gw: FakeGateway) -> None:
+    (rid,) = enqueue(gw, [{}])
+    stats = await run_agent(agents.nan_reward, gw.url, exit_when_idle=True, poll_interval=0.05)
+    r = gw.state.rollouts[rid]
+    assert r["status"] == "failed" and (stats.done, stats.failed) == (0, 1)
+    assert r["error"].startswith("ValueError: the agent returned float nan")
+    assert "must be finite" in r["error"] and "expected a float or None" in r["error"]
+    assert gw.state.finish_calls == [("fail", rid)]
+
+
+def test_as_reward() -> None:
+    assert as_reward(None) is None and as_reward(1) == 1.0 and as_reward(0.5) == 0.5
+    for bad, err in [
+        (float("inf"), ValueError),
+        (float("nan"), ValueError),
+        (True, TypeError),
+        ("1", TypeError),
+    ]:
+        with pytest.raises(err, match="expected a float or None"):
+            as_reward(bad)
+
+
+async def test_refused_result_fails_with_the_gateways_message(gw: FakeGateway) -> None:
+    (rid,) = enqueue(gw, [{"reward": 1.0}])
+    gw.state.reject_complete = "reward out of range"
+    stats = await run_agent(agents.echo_reward, gw.url, exit_when_idle=True, poll_interval=0.05)
+    r = gw.state.rollouts[rid]
+    assert (stats.done, stats.failed) == (0, 1)
+    assert r["status"] == "failed" and "reward out of range" in r["error"]
+    assert gw.state.finish_calls == [("complete", rid), ("fail", rid)]  # a 4xx is not retried
+
+
+@pytest.mark.parametrize(
+    ("agent", "calls"),
+    [(agents.echo_reward, ["complete"] * 5), (agents.raises, ["fail"])],  # 5 tries: the gw fixture's retries
+)
+async def test_unreportable_result_counts_as_failed(
+    gw: FakeGateway, caplog: pytest.LogCaptureFixture, agent: Any, calls: list[str]
+) -> None:
+    (rid,) = enqueue(gw, [{"reward": 1.0}])
+    gw.state.fail_finish = 100  # complete and fail answer 503 (complete is retried; fail is not)
+    stats = await run_agent(agent, gw.url, exit_when_idle=True, poll_interval=0.05)
+    assert (stats.done, stats.failed, stats.running) == (0, 1, 0)
+    assert gw.state.finish_calls == [(c, rid) for c in calls]
+    assert gw.state.rollouts[rid]["status"] == "running"  # left to its lease; the gateway requeues it
+    assert f"rollout {rid}: could not report its result" in caplog.text
+
+
+async def test_claim_errors_after_the_first_claim_are_retried(gw: FakeGateway) -> None:
+    enqueue(gw, [{"sleep": 0.3}])
+    task = asyncio.create_task(run_agent(agents.async_slow, gw.url, max_rollouts=2, poll_interval=0.05))
+    deadline = time.monotonic() + 5
+    while gw.state.queue:  # until the first claim went through
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    enqueue(gw, [{"sleep": 0}])  # blocks the loop: no claim can come between these two lines
+    # the next two claims answer 503: the client does not repeat a claim (it is not idempotent), the
+    # runner claims again at its next poll
+    gw.state.fail_next = 2
+    stats = await asyncio.wait_for(task, 10)
+    assert stats.done == 2 and gw.state.fail_next == 0
+
+
 async def test_unreachable_gateway_fails_fast() -> None:
     from tests.procs import free_port
 
@@ -178,37 +258,35 @@ def test_enqueue_main(gw: FakeGateway, tmp_path: Path, capsys: pytest.CaptureFix
     assert [r["task_id"] for r in gw.state.queue].count("a") == 3 and len(gw.state.queue) == 6
 
 
-def _cli(args: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tracegym.cli", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def _cli(args: list[str], tmp_path: Path) -> ManagedProcess:
+    """``tracegym ARGS`` in its own process group, output in a log: ``with`` kills it whatever happens."""
+    log = tmp_path / f"cli-{time.monotonic_ns()}.log"
+    env = {"PYTHONPATH": str(REPO)}
+    return start_process(["tracegym", *args], port=None, log_path=log, env=env, cwd=REPO)
 
 
-def test_cli_run_exit_when_idle(gw: FakeGateway) -> None:
+def test_cli_run_exit_when_idle(gw: FakeGateway, tmp_path: Path) -> None:
     rids = enqueue(gw, [{"reward": 1.0}, {"reward": 0.0}])
-    proc = _cli(["run", "tests/sdk/agents.py:echo_reward", "--gateway", gw.url, "--exit-when-idle"])
-    _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+    args = ["run", "tests/sdk/agents.py:echo_reward", "--gateway", gw.url, "--exit-when-idle"]
+    with _cli(args, tmp_path) as run:
+        returncode = run.proc.wait(timeout=60)
+        err = run.log()
+    assert returncode == 0, err
     assert status(gw, rids) == [("completed", 1.0), ("completed", 0.0)]
     assert "done 2 | failed 0 | running 0 | mean reward 0.500" in err  # the final progress line
 
 
-def test_cli_sigint_releases_in_flight(gw: FakeGateway) -> None:
+def test_cli_sigint_releases_in_flight(gw: FakeGateway, tmp_path: Path) -> None:
     rids = enqueue(gw, [{"sleep": 30}])
-    proc = _cli(["run", "tests.sdk.agents:slow", "--gateway", gw.url])
-    deadline = time.monotonic() + 30
-    while gw.state.rollouts[rids[0]]["status"] != "running" and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)  # the second one skips the grace period
-    _out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 0, err
+    with _cli(["run", "tests.sdk.agents:slow", "--gateway", gw.url], tmp_path) as run:
+        deadline = time.monotonic() + 30
+        while gw.state.rollouts[rids[0]]["status"] != "running" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        run.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        run.proc.send_signal(signal.SIGINT)  # the second one skips the grace period
+        returncode = run.proc.wait(timeout=20)
+        err = run.log()
+    assert returncode == 0, err
     assert status(gw, rids) == [("queued", None)]
     assert "released 1" in err

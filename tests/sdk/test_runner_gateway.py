@@ -3,10 +3,7 @@ since these agents make no LLM calls): success, reward, exception, lease and Ctr
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,31 +79,22 @@ async def test_heartbeats_keep_the_lease(client: GatewayClient, gateway: Managed
     assert (r["status"], r["attempt"], r["reward"]) == ("completed", 1, 1.0)
 
 
-def test_sigterm_releases(client: GatewayClient, gateway: ManagedProcess) -> None:
+def test_sigterm_releases(client: GatewayClient, gateway: ManagedProcess, tmp_path: Path) -> None:
     (rid,) = enqueue(client, [{"sleep": 60}])
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [
-        sys.executable,
-        "-m",
-        "tracegym.cli",
-        "run",
-        "tests.sdk.agents:slow",
-        "--gateway",
-        gateway.base_url,
-    ]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-    try:
+    argv = ["tracegym", "run", "tests.sdk.agents:slow", "--gateway", gateway.base_url]
+    log = tmp_path / "run.log"
+    # in its own process group, killed with it when the block ends (even on a failed assert)
+    with start_process(argv, port=None, log_path=log, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT) as run:
         deadline = time.monotonic() + 30
         while client.get_rollout(rid)["status"] != "running":
             assert time.monotonic() < deadline, "the runner never claimed the rollout"
             time.sleep(0.1)
         attempt = client.get_rollout(rid)["attempt"]
-        proc.send_signal(signal.SIGTERM)
+        run.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
-        proc.send_signal(signal.SIGTERM)  # the second one releases without waiting for the agent
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill() if proc.poll() is None else None
-    assert proc.returncode == 0, err
+        run.proc.send_signal(signal.SIGTERM)  # the second one releases without waiting for the agent
+        returncode = run.proc.wait(timeout=30)
+        err = run.log()
+    assert returncode == 0, err
     r = client.get_rollout(rid)
     assert (r["status"], r["attempt"]) == ("queued", attempt), r  # released: no attempt used

@@ -1,0 +1,115 @@
+"""The HTTP client: which requests are retried (only the ones a repeat cannot duplicate), the shared
+configuration helper, and the CLI's hint when an extra is not installed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+import tracegym as tg
+from tests.procs import free_port
+from tests.sdk.fake_gateway import FakeGateway
+from tracegym import cli
+from tracegym.client import GatewayClient, _retry_reason, config_for, current_config
+
+
+def test_retry_reason() -> None:
+    request = httpx.Request("POST", "http://gw/api/tasks")
+    connect, read = httpx.ConnectError("refused"), httpx.ReadTimeout("slow")
+    busy, bad = httpx.Response(503, request=request), httpx.Response(400, request=request)
+    # idempotent: transport errors and 408/429/5xx are retried, other answers stand
+    assert _retry_reason(connect, True) == "ConnectError: refused"
+    assert _retry_reason(read, True) == "ReadTimeout: slow"
+    assert _retry_reason(busy, True) is not None and "HTTP 503" in _retry_reason(busy, True)
+    assert _retry_reason(bad, True) is None
+    # not idempotent: only a request that was never sent is retried
+    assert _retry_reason(connect, False) == "ConnectError: refused"
+    assert _retry_reason(httpx.ConnectTimeout("t"), False) is not None
+    assert _retry_reason(read, False) is None
+    assert _retry_reason(busy, False) is None
+
+
+def test_enqueue_is_not_repeated_after_a_lost_answer(gw: FakeGateway) -> None:
+    gw.state.fail_next, gw.state.store_then_fail = 1, True  # enqueued, then the answer is lost
+    with GatewayClient() as client, pytest.raises(tg.GatewayError) as err:
+        client.enqueue_tasks([{"input": 1}], group_size=2)
+    assert err.value.status == 503 and "enqueue tasks" in str(err.value)
+    assert len(gw.state.queue) == 2  # one group, not a second one from a retry
+
+
+def test_enqueue_is_retried_while_the_gateway_is_not_up() -> None:
+    late = FakeGateway(port=free_port())
+    tg.configure(gateway_url=late.url, retry_attempts=8, retry_backoff=0.1, retry_max_backoff=0.4)
+    timer = threading.Timer(0.4, late.start)
+    timer.start()
+    try:
+        with GatewayClient() as client:
+            out = client.enqueue_tasks([{"input": 1}])
+        assert len(out) == 1 and len(late.state.queue) == 1
+    finally:
+        timer.join()
+        late.stop()
+
+
+def test_idempotent_posts_are_still_retried(gw: FakeGateway) -> None:
+    gw.state.fail_next = 2
+    with GatewayClient() as client:
+        client.post("/api/rollouts/r/events", {"name": "x", "idempotency_key": "k"}, "send event")
+    assert gw.state.attempts == ["r"] * 3
+
+
+def test_config_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACEGYM_API_KEY", "sk-env")
+    tg.configure(gateway_url="http://127.0.0.1:9", retry_attempts=2, timeout=7.0)
+    assert config_for(None) == current_config()
+    other = config_for(" http://gw.example:8000/ ")
+    assert other.gateway_url == "http://gw.example:8000"
+    assert (other.api_key, other.timeout, other.retry.attempts) == ("sk-env", 7.0, 2)
+    with pytest.raises(ValueError, match="http://"):
+        config_for("gw.example")
+
+    from tracegym.trainer.control import ControlClient
+
+    ctl = ControlClient("http://gw.example:8000/", timeout=60.0)
+    try:
+        cfg = ctl.client.config
+        assert (cfg.gateway_url, cfg.api_key, cfg.timeout, cfg.retry.attempts) == (
+            "http://gw.example:8000",
+            "sk-env",
+            60.0,
+            2,
+        )
+    finally:
+        ctl.close()
+
+
+def _missing(name: str) -> Callable[[str], None]:
+    def import_module(module: str) -> None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    return import_module
+
+
+def test_cli_names_the_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli.importlib, "import_module", _missing("fastapi"))
+    with pytest.raises(SystemExit) as err:
+        cli.main(["serve"])
+    assert "'fastapi' package is not installed" in str(err.value.code)
+    assert "pip install 'tracegym[gateway]'" in str(err.value.code)
+    monkeypatch.setattr(cli.importlib, "import_module", _missing("torch"))
+    with pytest.raises(SystemExit, match=r"tracegym\[trainer\]"):
+        cli._load("models")
+    with pytest.raises(SystemExit, match=r"tracegym\[gateway,trainer\]"):
+        cli._load("train")
+
+
+def test_cli_reraises_other_missing_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli.importlib, "import_module", _missing("tracegym.gateway.serve"))
+    with pytest.raises(ModuleNotFoundError):  # our own module missing: a broken install, not an extra
+        cli._load("serve")
+    monkeypatch.setattr(cli.importlib, "import_module", _missing("yaml"))
+    with pytest.raises(ModuleNotFoundError):  # the bare SDK's commands need no extra
+        cli._load("export")

@@ -32,7 +32,7 @@ CHOICES = "tracegym.choices"
 ROLLOUT_ID = "tracegym.rollout_id"
 CALL_ID = "tracegym.call_id"
 _JSON_ATTRS = (REQUEST, CHOICES)
-_TAGS = (b"i", b"q", b"f", b"d")
+_ID_TYPES, _FLOAT_TYPES = frozenset("iq"), frozenset("fd")
 _SAMPLING = (
     ("temperature", "gen_ai.request.temperature"),
     ("top_p", "gen_ai.request.top_p"),
@@ -150,7 +150,7 @@ def call_record_store_row(rec: CallRecord, *, trace_id: str, span_id: str, resou
     attrs, ids, lps = stored_attributes(rec)
     error = rec.status == "error"
     return (
-        trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", f"{rec.operation} {rec.model}",
+        trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", span_name(rec),
         "client", start_time_ns, end_time_ns, "error" if error else "ok", rec.error if error else None,
         json_text(attrs), resource_json, JSON_NULL,
         None if rec.prompt_ids is None else encode_ints(rec.prompt_ids), encode_ints(ids), encode_floats(lps),
@@ -162,8 +162,10 @@ def _blob(value: Any, floats: bool) -> bytes | None:
         return None
     if isinstance(value, bytes | bytearray | memoryview):
         value = bytes(value)
-        if value[:1] not in _TAGS:
-            raise ValueError(f"token array bytes must start with a tag byte i, q, f or d, got {value[:1]!r}")
+        arr = decode_array(value)  # ValueError: a missing/unknown tag byte, a misaligned length
+        if arr.typecode not in (_FLOAT_TYPES if floats else _ID_TYPES):
+            kind, tags = ("logprobs", "f or d") if floats else ("token ids", "i or q")
+            raise ValueError(f"{kind} bytes must be tagged {tags}, got {arr.typecode!r}")
         return value
     if isinstance(value, list | tuple):
         return encode_floats(value) if floats else encode_ints(value)
@@ -200,7 +202,33 @@ def attributes_to_row_fields(attrs: dict[str, Any]) -> dict[str, Any]:
     fields["attributes"] = rest
     fields["rollout_id"] = rest.get(ROLLOUT_ID)
     fields["call_id"] = rest.get(CALL_ID)
+    if is_call_attributes(rest):
+        check_call_attributes(rest, fields)
     return fields
+
+
+def check_call_attributes(attrs: dict[str, Any], fields: dict[str, Any]) -> None:
+    """ValueError unless the CallRecord of an LLM call span (``is_call_attributes``) can be rebuilt from
+    ``attrs`` and the token array blobs of ``fields``: what every later read of its rollout does (a span
+    stored with a missing key or arrays that do not match the choices would break them all)."""
+    try:
+        rec = call_record_from_values(attrs, fields.get("rollout_id"), "ok", None, 0, 0, fields["prompt_ids"],
+                                      fields["output_ids"], fields["output_logprobs"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        detail = f"lacks {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"bad LLM call span ({CALL_ID} {attrs.get(CALL_ID)!r}): {detail}") from None
+    for name in ("call_id", "operation", "model"):
+        if not isinstance(getattr(rec, name), str):
+            raise ValueError(f"bad LLM call span: its {name} must be a string, got {getattr(rec, name)!r}")
+    for name in ("task_id", "agent_name", "weight_version", "error"):
+        if not isinstance(getattr(rec, name), str | None):
+            raise ValueError(f"bad LLM call span: its {name} must be a string, got {getattr(rec, name)!r}")
+    for c in rec.choices:
+        if type(c.index) is not int or not all(
+                isinstance(w.version, str) and type(w.start) is int and type(w.end) is int
+                for w in c.weight_versions):
+            raise ValueError(f"bad LLM call span: choice {c.index!r} needs an integer index and "
+                             "[version, start, end] weight versions")
 
 
 def call_record_to_row(rec: CallRecord, *, trace_id: str, span_id: str, resource: dict | None = None) -> dict:
@@ -215,7 +243,7 @@ def call_record_to_row(rec: CallRecord, *, trace_id: str, span_id: str, resource
         "start_time_ns": rec.start_time_ns,
         "end_time_ns": rec.end_time_ns,
         "status": "error" if rec.status == "error" else "ok",
-        "status_message": rec.error,
+        "status_message": rec.error if rec.status == "error" else None,
         "resource": resource,
         "events": None,
         **attributes_to_row_fields(call_record_attributes(rec)),
@@ -267,7 +295,6 @@ def is_call_attributes(a: dict) -> bool:
     return isinstance(a.get(CHOICES), list) and isinstance(a.get(REQUEST), dict) and CALL_ID in a
 
 
-
 def _choice_records(meta: list, output_blob: Any, logprob_blob: Any, arrays: bool) -> list[ChoiceRecord]:
     dec = decode_array if arrays else decode
     if len(meta) == 1:  # the common n=1 call: no splitting, no per-choice length lists
@@ -288,24 +315,15 @@ def _choice_records(meta: list, output_blob: Any, logprob_blob: Any, arrays: boo
     ]
 
 
-def row_to_call_record(row: dict, *, arrays: bool = False) -> CallRecord:
-    """Rebuild the CallRecord of a gateway span row (``is_call_attributes``). With ``arrays`` the token ids and
-    logprobs are ``array.array``s (``i``/``q``, ``f``/``d``: bit-exact, no Python object per value), which
-    ``tracegym.gateway.assembly`` works on directly."""
-    return call_record_from_values(
-        row["attributes"], row.get("rollout_id"), row["status"], row.get("status_message"),
-        row["start_time_ns"], row["end_time_ns"], row["prompt_ids"], row["output_ids"],
-        row["output_logprobs"], arrays=arrays,
-    )
-
-
 def call_record_from_values(a: dict, rollout_id: str | None, status: str, status_message: str | None,
                             start_time_ns: int, end_time_ns: int, prompt_blob: Any, output_blob: Any,
                             logprob_blob: Any, *, arrays: bool = False) -> CallRecord:
-    """``row_to_call_record`` from the column values themselves (the assembly read path calls it once
-    per span straight from the DBAPI tuple: no row dict, one lookup per attribute). ``CallRecord`` is
-    built positionally, in its field order (a third of the keyword call's cost; the store round-trip
-    tests compare every field)."""
+    """Rebuild the CallRecord of an LLM call span (``is_call_attributes``) from its column values (the
+    assembly read path calls it once per span straight from the DBAPI tuple: no row dict, one lookup per
+    attribute). With ``arrays`` the token ids and logprobs are ``array.array``s (``i``/``q``, ``f``/``d``:
+    bit-exact, no Python object per value), which ``tracegym.gateway.assembly`` works on directly.
+    ``CallRecord`` is built positionally, in its field order (a third of the keyword call's cost; the
+    store round-trip tests compare every field)."""
     get = a.get
     meta = get(CHOICES)
     error = get("tracegym.error")

@@ -11,9 +11,12 @@ encoded row; its GenAI attributes are built on first access) and hands it to the
 ``TraceRecorder.tracer`` go through the same queue (their row is derived from their attributes).
 
 When the queue is full the span is dropped, counted in ``tracegym_spans_dropped_total{reason="queue_full"}``
-and logged (at most every few seconds, with the count); a batch the store rejects after retries is counted
-with ``reason="export_error"``, a record that cannot be encoded with ``reason="encode_error"``. Nothing is
-lost silently. ``shutdown()`` flushes everything that was queued.
+and logged (at most every few seconds, with the count); a batch the store rejects after retries (or at
+once, for a deterministic rejection such as a value too long for its column) is counted with
+``reason="export_error"``, a record that cannot be encoded or stored (e.g. an id longer than its column)
+with ``reason="encode_error"``, one the build thread fails on unexpectedly with ``reason="internal_error"``.
+Nothing is lost silently. ``force_flush(timeout)`` waits (at most ``timeout``) until what was queued before
+it is stored; ``shutdown()`` flushes everything that was queued.
 
 Departure from ``BatchSpanProcessor``: it drops with only an OpenTelemetry-metrics counter and drops a
 failed batch after logging; ours reports both in Prometheus and retries the store before dropping.
@@ -37,6 +40,7 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from sqlalchemy.exc import DataError, IntegrityError
 
 from tracegym.gateway.spans import (
     attributes_to_row_fields,
@@ -121,7 +125,8 @@ class SpanMetrics:
         self.exported = Counter("tracegym_spans_exported", "Spans written to the store", registry=registry)
         self.dropped = Counter(
             "tracegym_spans_dropped",
-            "Spans lost (queue_full, encode_error, export_error, shutdown)", ["reason"], registry=registry,
+            "Spans lost (queue_full, encode_error, export_error, internal_error, shutdown)", ["reason"],
+            registry=registry,
         )
         self.queue_size = Gauge("tracegym_span_queue_size", "Spans waiting for export", registry=registry)
 
@@ -138,10 +143,10 @@ class StoreSpanExporter(SpanExporter):
 
     def add_span(self, batch: SpanBatch, span: ReadableSpan) -> None:
         """Append ``span``'s row to ``batch`` (an unstorable span is counted as dropped and logged)."""
-        if isinstance(span, CallSpan):
-            batch.add(span.store_row, span.record.task_id, span.record.weight_version)
-            return
         try:
+            if isinstance(span, CallSpan):
+                batch.add(span.store_row, span.record.task_id, span.record.weight_version)
+                return
             row = readable_span_to_row(span, source=self.source)
             attrs = row["attributes"]
             batch.add(encode_row(row), attrs.get("tracegym.task_id"), attrs.get("tracegym.weight_version"))
@@ -156,7 +161,8 @@ class StoreSpanExporter(SpanExporter):
         return self.export_batch(batch)
 
     def export_batch(self, batch: SpanBatch) -> SpanExportResult:
-        """Insert an encoded batch; after ``retries`` failures count it as dropped (never raises)."""
+        """Insert an encoded batch; after ``retries`` failures count it as dropped (never raises). A
+        rejection that would only repeat (bad data, a violated constraint) is not retried."""
         if not batch:
             return SpanExportResult.SUCCESS
         for attempt in range(1, self.retries + 1):
@@ -164,8 +170,8 @@ class StoreSpanExporter(SpanExporter):
                 self.store.insert_spans(batch)  # type: ignore[attr-defined]
                 self.metrics.exported.inc(len(batch))
                 return SpanExportResult.SUCCESS
-            except Exception:  # any store failure: retry, then count the loss loudly
-                if attempt == self.retries:
+            except Exception as e:  # any store failure: retry, then count the loss loudly
+                if attempt == self.retries or isinstance(e, DataError | IntegrityError | ValueError):
                     log.exception("dropping %d spans: the store rejected them %d times", len(batch), attempt)
                     self.metrics.dropped.labels("export_error").inc(len(batch))
                     return SpanExportResult.FAILURE
@@ -176,7 +182,17 @@ class StoreSpanExporter(SpanExporter):
         pass
 
 
-QueueItem = ReadableSpan | tuple[CallRecord, int, int]
+class _Flush:
+    """A ``force_flush`` marker: it travels the record queue and the batch queue behind everything queued
+    before it, and the write thread sets ``done`` when it gets there."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+QueueItem = ReadableSpan | tuple[CallRecord, int, int] | _Flush
 
 
 class StoreSpanProcessor(SpanProcessor):
@@ -205,9 +221,11 @@ class StoreSpanProcessor(SpanProcessor):
         self._scope = InstrumentationScope(SCOPE)
         self._ids = RandomIdGenerator()
         self._queue: collections.deque[QueueItem] = collections.deque()
-        self._batches: queue.Queue[SpanBatch | None] = queue.Queue(maxsize=pipeline_depth)
+        self._batches: queue.Queue[SpanBatch | _Flush | None] = queue.Queue(maxsize=pipeline_depth)
         self._wake = threading.Event()
         self._build_lock = threading.Lock()
+        self._flushes = 0  # _Flush markers in ``_queue`` (under ``_flush_lock``)
+        self._flush_lock = threading.Lock()
         self._shutdown = False
         self._dropped_since_warning = 0
         self._last_warning = 0.0
@@ -251,50 +269,73 @@ class StoreSpanProcessor(SpanProcessor):
 
     def _add_call(self, batch: SpanBatch, rec: CallRecord, start: int, end: int) -> None:
         trace_id, span_id = self._ids.generate_trace_id(), self._ids.generate_span_id()
+        span = None
         try:
             if self.extra_processors:
                 span = CallSpan(rec, trace_id=trace_id, span_id=span_id, start_time=start, end_time=end,
                                 resource=self.resource, resource_json=self._resource_json, scope=self._scope)
-                for p in self.extra_processors:
-                    p.on_end(span)
                 row = span.store_row
             else:  # nobody else wants the span object: encode the row alone
                 row = call_record_store_row(rec, trace_id=f"{trace_id:032x}", span_id=f"{span_id:016x}",
                                             resource_json=self._resource_json, start_time_ns=start,
                                             end_time_ns=end)
+            batch.add(row, rec.task_id, rec.weight_version)  # ValueError: e.g. an id too long to store
         except (TypeError, ValueError):  # e.g. a request body orjson cannot serialize: count, log, go on
             log.exception("dropping the span of call %r: it cannot be encoded", getattr(rec, "call_id", None))
             self.metrics.dropped.labels("encode_error").inc()
             return
-        batch.add(row, rec.task_id, rec.weight_version)
+        if span is not None:
+            for p in self.extra_processors:
+                try:
+                    p.on_end(span)
+                except Exception:  # the store has the span; another exporter's failure is its own
+                    log.exception("span processor %r failed on a call span", p)
 
     def _build(self, items: list[QueueItem]) -> SpanBatch:
         batch = SpanBatch()
         for item in items:
-            if type(item) is tuple:
-                self._add_call(batch, *item)
-            else:
-                self.exporter.add_span(batch, item)  # type: ignore[arg-type]
+            try:
+                if type(item) is tuple:
+                    self._add_call(batch, *item)
+                else:
+                    self.exporter.add_span(batch, item)  # type: ignore[arg-type]
+            except Exception:  # a bug, or an extra processor failing: lose this span only, counted
+                log.exception("dropping a span: unexpected error while encoding it")
+                self.metrics.dropped.labels("internal_error").inc()
         return batch
 
-    def _drain(self, everything: bool) -> None:
-        """Encode queued spans into batches for the writer (all of them, or while a full batch is queued);
-        with ``everything``, also wait until the writer has stored them."""
+    def _drain(self) -> None:
+        """Encode queued spans into batches for the writer: one batch (possibly partial), then more while a
+        full batch is queued or a ``force_flush`` marker waits in the queue (everything up to it is sent,
+        then the marker itself, behind the last batch)."""
         with self._build_lock:
             q = self._queue
-            while q:
-                n = min(self.max_batch_size, len(q))
-                self._batches.put(self._build([q.popleft() for _ in range(n)]))
-                if not everything and len(q) < self.max_batch_size:
-                    break
-        if everything:
-            self._batches.join()
+            first = True
+            while q and (first or self._flushes or len(q) >= self.max_batch_size):
+                first = False
+                items: list[QueueItem] = []
+                marker = None
+                while q and len(items) < self.max_batch_size:
+                    item = q.popleft()
+                    if type(item) is _Flush:
+                        marker = item
+                        break
+                    items.append(item)
+                if items:
+                    self._batches.put(self._build(items))
+                if marker is not None:
+                    with self._flush_lock:
+                        self._flushes -= 1
+                    self._batches.put(marker)
 
     def _build_loop(self) -> None:
         while not self._shutdown:
             self._wake.wait(self.schedule_delay_s)
             self._wake.clear()
-            self._drain(everything=False)
+            try:
+                self._drain()
+            except Exception:  # never let the build thread die: later spans would silently pile up
+                log.exception("span build thread: unexpected error (continuing)")
 
     def _write_loop(self) -> None:
         while True:
@@ -302,21 +343,37 @@ class StoreSpanProcessor(SpanProcessor):
             try:
                 if batch is None:
                     return
-                self.exporter.export_batch(batch)
+                if type(batch) is _Flush:
+                    batch.done.set()
+                else:
+                    self.exporter.export_batch(batch)  # type: ignore[arg-type]
+            except Exception:  # export_batch never raises; keep the writer alive regardless
+                log.exception("span write thread: unexpected error (continuing)")
             finally:
                 self._batches.task_done()
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        self._drain(everything=True)
-        return not self._queue
-
+        """Wait until every span queued before this call is stored (or counted as dropped): True, or False
+        when that takes longer than ``timeout_millis``. Spans queued meanwhile are not waited for, so this
+        returns promptly under steady traffic."""
+        timeout = max(timeout_millis, 0) / 1000
+        if self._shutdown:  # shutdown() writes everything and then stops the writer
+            self._writer.join(timeout)
+            return not self._writer.is_alive()
+        marker = _Flush()
+        with self._flush_lock:
+            self._flushes += 1
+        self._queue.append(marker)
+        self._wake.set()
+        return marker.done.wait(timeout)
     def shutdown(self) -> None:
         if self._shutdown:
             return
         self._shutdown = True
         self._wake.set()
         self._builder.join()
-        self._drain(everything=True)
+        while self._queue:  # everything, partial batches included (and the markers of pending flushes)
+            self._drain()
         self._batches.put(None)
         self._writer.join()
         self.exporter.shutdown()
@@ -362,7 +419,8 @@ class TraceRecorder:
         self.metrics.recorded.inc()
 
     def force_flush(self, timeout_s: float = 30.0) -> bool:
-        """Write everything queued so far; True when the queue is empty."""
+        """Write everything recorded so far: True once it is stored (or counted as dropped), False when that
+        takes longer than ``timeout_s`` (later calls are not waited for)."""
         return self.provider.force_flush(int(timeout_s * 1000))
 
     def shutdown(self) -> None:

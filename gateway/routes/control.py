@@ -8,18 +8,30 @@ Store errors map to OpenAI-shaped errors: ValueError -> 400, NotFound -> 404, Co
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import DataError
 from starlette.responses import Response
 
 from tracegym.gateway.errors import OpenAIError, bad_request
+from tracegym.gateway.routes.query import query, unknown_params
 from tracegym.gateway.store.errors import Conflict, NotFound
+from tracegym.gateway.store.schema import ID_MAX_LENGTH, INT32_MAX, INT32_MIN, max_length
+from tracegym.gateway.store.schema import events as E
+from tracegym.gateway.store.schema import tasks as TASKS
 
 router = APIRouter(prefix="/api", tags=["control"])
 T = TypeVar("T")
+
+# Lengths and ranges of the columns the values are stored in (PostgreSQL refuses longer strings).
+_ID = ID_MAX_LENGTH
+_SPLIT = max_length(TASKS.c.split)
+_EVENT_NAME = max_length(E.c.name)
+RolloutId = Annotated[str, Path(max_length=_ID)]
+RunName = Annotated[str, Path(max_length=_ID)]
 
 
 class _Body(BaseModel):
@@ -27,9 +39,9 @@ class _Body(BaseModel):
 
 
 class TaskIn(_Body):
-    task_id: str | None = None
+    task_id: str | None = Field(None, max_length=_ID)
     input: Any
-    split: str | None = None
+    split: str | None = Field(None, max_length=_SPLIT)
     metadata: dict[str, Any] | None = None
 
 
@@ -40,54 +52,54 @@ class EnqueueIn(_Body):
 
 
 class ClaimIn(_Body):
-    worker_id: str = Field(min_length=1)
+    worker_id: str = Field(min_length=1, max_length=_ID)
     limit: int = Field(1, ge=1, le=1000)
     lease_seconds: float = Field(60.0, gt=0)
 
 
 class HeartbeatIn(_Body):
-    worker_id: str = Field(min_length=1)
+    worker_id: str = Field(min_length=1, max_length=_ID)
     lease_seconds: float | None = Field(None, gt=0)
 
 
 class CompleteIn(_Body):
-    worker_id: str | None = None
+    worker_id: str | None = Field(None, max_length=_ID)
     reward: float | None = Field(None, allow_inf_nan=False)
 
 
 class FailIn(_Body):
-    worker_id: str | None = None
+    worker_id: str | None = Field(None, max_length=_ID)
     error: str
     traceback: str | None = None
 
 
 class ReleaseIn(_Body):
-    worker_id: str = Field(min_length=1)
+    worker_id: str = Field(min_length=1, max_length=_ID)
 
 
 class RewardIn(_Body):
     value: float = Field(allow_inf_nan=False)
-    name: str | None = None
-    idempotency_key: str = Field(min_length=1, max_length=200)
-    call_index: int | None = None
+    name: str | None = Field(None, max_length=_EVENT_NAME)
+    idempotency_key: str = Field(min_length=1, max_length=_ID)
+    call_index: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
 
 
 class EventIn(_Body):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=_EVENT_NAME)
     value: Any = None
     attributes: dict[str, Any] | None = None
-    idempotency_key: str = Field(min_length=1, max_length=200)
+    idempotency_key: str = Field(min_length=1, max_length=_ID)
 
 
 class WeightVersionIn(_Body):
-    version: str = Field(min_length=1, max_length=200)
+    version: str = Field(min_length=1, max_length=_ID)
     path: str | None = None
-    step: int | None = None
+    step: int | None = Field(None, ge=INT32_MIN, le=INT32_MAX)
     swap_seconds: float | None = None
 
 
 class MetricsIn(_Body):
-    step: int
+    step: int = Field(ge=INT32_MIN, le=INT32_MAX)
     metrics: dict[str, Any]
 
 
@@ -105,13 +117,13 @@ def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise OpenAIError(409, str(e), code="conflict") from e
     except ValueError as e:
         raise bad_request(str(e)) from e
+    except DataError as e:  # a value PostgreSQL refuses that the checks missed: still the client's
+        raise bad_request(f"the store refused a value: {str(e.orig).splitlines()[0]}") from e
 
 
 def _store(request: Request) -> Any:
-    store = getattr(request.app.state, "store", None)
-    if store is None:
-        raise OpenAIError(503, "this gateway runs without a trace store", code="no_store")
-    return store
+    # The store routers are mounted only on a gateway with a store (app.py), so app.state.store is set.
+    return request.app.state.store
 
 
 # -- tasks and the rollout queue -----------------------------------------------------------------------------
@@ -130,7 +142,7 @@ def claim(body: ClaimIn, request: Request) -> Response:
 
 
 @router.post("/rollouts/{rollout_id}/heartbeat")
-def heartbeat(rollout_id: str, body: HeartbeatIn, request: Request) -> Response:
+def heartbeat(rollout_id: RolloutId, body: HeartbeatIn, request: Request) -> Response:
     from tracegym.gateway.store.db import iso
 
     expires = _call(_store(request).heartbeat, rollout_id, body.worker_id, lease_seconds=body.lease_seconds)
@@ -146,33 +158,33 @@ def _flush_spans(request: Request) -> None:
 
 
 @router.post("/rollouts/{rollout_id}/complete")
-def complete(rollout_id: str, body: CompleteIn, request: Request) -> Response:
+def complete(rollout_id: RolloutId, body: CompleteIn, request: Request) -> Response:
     _flush_spans(request)
     return _json(_call(_store(request).complete, rollout_id, worker_id=body.worker_id, reward=body.reward))
 
 
 @router.post("/rollouts/{rollout_id}/fail")
-def fail(rollout_id: str, body: FailIn, request: Request) -> Response:
+def fail(rollout_id: RolloutId, body: FailIn, request: Request) -> Response:
     _flush_spans(request)
     return _json(_call(_store(request).fail, rollout_id, error=body.error, worker_id=body.worker_id,
                        traceback=body.traceback))
 
 
 @router.post("/rollouts/{rollout_id}/release")
-def release(rollout_id: str, body: ReleaseIn, request: Request) -> Response:
+def release(rollout_id: RolloutId, body: ReleaseIn, request: Request) -> Response:
     return _json(_call(_store(request).release, rollout_id, worker_id=body.worker_id))
 
 
 # -- rewards and events ------------------------------------------------------------------------------------
 @router.post("/rollouts/{rollout_id}/rewards")
-def add_reward(rollout_id: str, body: RewardIn, request: Request) -> Response:
+def add_reward(rollout_id: RolloutId, body: RewardIn, request: Request) -> Response:
     event_id, dup = _call(_store(request).add_event, rollout_id, kind="reward", name=body.name,
                           value=body.value, idempotency_key=body.idempotency_key, call_index=body.call_index)
     return _json({"event_id": event_id, "duplicate": dup}, 201)
 
 
 @router.post("/rollouts/{rollout_id}/events")
-def add_event(rollout_id: str, body: EventIn, request: Request) -> Response:
+def add_event(rollout_id: RolloutId, body: EventIn, request: Request) -> Response:
     event_id, dup = _call(_store(request).add_event, rollout_id, kind="event", name=body.name,
                           value=body.value, attributes=body.attributes, idempotency_key=body.idempotency_key)
     return _json({"event_id": event_id, "duplicate": dup}, 201)
@@ -184,11 +196,8 @@ _LIST_PARAMS = ("status", "task_id", "group_id", "since", "until", "limit", "cur
 
 @router.get("/rollouts")
 def list_rollouts(request: Request) -> Response:
-    q = request.query_params
-    unknown = sorted(set(q.keys()) - set(_LIST_PARAMS))
-    if unknown:
-        raise bad_request(f"unknown query parameter(s) {', '.join(unknown)}; expected "
-                          f"{', '.join(_LIST_PARAMS)}", param=unknown[0])
+    q = query(request)
+    unknown_params(q, _LIST_PARAMS)
     try:
         limit = int(q.get("limit", "100"))
     except ValueError:
@@ -206,16 +215,17 @@ def _rollout_or_404(store: Any, rollout_id: str) -> dict:
 
 
 @router.get("/rollouts/{rollout_id}")
-def get_rollout(rollout_id: str, request: Request) -> Response:
+def get_rollout(rollout_id: RolloutId, request: Request) -> Response:
     store = _store(request)
     rollout = _rollout_or_404(store, rollout_id)
-    rollout["rewards"] = store.list_events(rollout_id, "reward")
-    rollout["events"] = store.list_events(rollout_id, "event")
+    events = store.list_events(rollout_id)
+    rollout["rewards"] = [e for e in events if e["kind"] == "reward"]
+    rollout["events"] = [e for e in events if e["kind"] == "event"]
     return _json(rollout)
 
 
 @router.get("/rollouts/{rollout_id}/spans")
-def list_spans(rollout_id: str, request: Request) -> Response:
+def list_spans(rollout_id: RolloutId, request: Request) -> Response:
     store = _store(request)
     _rollout_or_404(store, rollout_id)
     return _json({"spans": store.list_spans(rollout_id)})
@@ -234,11 +244,11 @@ def add_weight_version(body: WeightVersionIn, request: Request) -> Response:
 
 
 @router.post("/runs/{run}/metrics")
-def add_metrics(run: str, body: MetricsIn, request: Request) -> Response:
+def add_metrics(run: RunName, body: MetricsIn, request: Request) -> Response:
     _call(_store(request).add_metrics, run, body.step, body.metrics)
     return _json({"run": run, "step": body.step}, 201)
 
 
 @router.get("/runs/{run}/metrics")
-def list_metrics(run: str, request: Request) -> Response:
+def list_metrics(run: RunName, request: Request) -> Response:
     return _json({"run": run, "metrics": _store(request).list_metrics(run)})

@@ -23,11 +23,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from sqlalchemy.exc import DataError
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from tracegym.gateway.errors import OpenAIError, bad_request
 from tracegym.gateway.spans import ROLLOUT_ID, attributes_to_row_fields, json_safe
+from tracegym.gateway.store.span_rows import SpanBatch
 
 router = APIRouter(tags=["otlp"])
 
@@ -141,24 +143,29 @@ def _decompress(body: bytes, encoding: str) -> bytes:
     raise OpenAIError(415, f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or none")
 
 
+def _ingest(store: Any, body: bytes, encoding: str, content_type: str, header_rollout: str | None) -> None:
+    """Decompress, parse, build and store the spans of one export request (CPU work: off the event loop)."""
+    body = _decompress(body, encoding)
+    try:
+        batch = SpanBatch.from_dicts(request_rows(parse_request(body, content_type), header_rollout))
+        store.insert_spans(batch)
+    except ValueError as e:
+        raise bad_request(str(e)) from e
+    except DataError as e:  # a value PostgreSQL refuses that the checks above missed: still the client's
+        raise bad_request(f"the store refused a value: {str(e.orig).splitlines()[0]}") from e
+
+
 @router.post("/v1/traces")
 async def ingest_traces(request: Request) -> Response:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("application/x-protobuf", "application/json"):
         raise OpenAIError(415, f"unsupported Content-Type {content_type!r}; OTLP/HTTP uses "
                           "application/x-protobuf or application/json")
-    body = _decompress(await request.body(), request.headers.get("content-encoding", "").strip().lower())
-    try:
-        rows = request_rows(parse_request(body, content_type), request.headers.get("x-rollout-id"))
-    except ValueError as e:
-        raise bad_request(str(e)) from e
-    store = getattr(request.app.state, "store", None)
-    if store is None:
-        raise OpenAIError(503, "this gateway runs without a trace store", code="no_store")
-    try:
-        await run_in_threadpool(store.insert_spans, rows)
-    except ValueError as e:
-        raise bad_request(str(e)) from e
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    body = await request.body()
+    # The store routers are mounted only on a gateway with a store (app.py), so app.state.store is set.
+    await run_in_threadpool(_ingest, request.app.state.store, body, encoding, content_type,
+                            request.headers.get("x-rollout-id"))
     resp = ExportTraceServiceResponse()
     if content_type == "application/json":
         return Response(json_format.MessageToJson(resp), media_type="application/json")

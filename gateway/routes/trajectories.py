@@ -14,7 +14,7 @@ parameters and bad values are 400s in OpenAI's error shape; an empty value count
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, get_args
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
@@ -23,28 +23,16 @@ from starlette.responses import Response, StreamingResponse
 
 from tracegym.gateway.assembly import AssemblyOptions, assemble_rollout, check_invariants
 from tracegym.gateway.errors import OpenAIError, bad_request
-from tracegym.types import RolloutStatus, Trajectory
+from tracegym.gateway.routes.query import Query, query, unknown_params
+from tracegym.gateway.store.rollouts import check_status
+from tracegym.types import Trajectory
 
 router = APIRouter(tags=["trajectories"])
 
 PAGE = 100
-STATUSES: tuple[str, ...] = get_args(RolloutStatus)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _OPTION_PARAMS = ("mode", "agent_match", "agents", "include_retokenized", "include_errors", "gamma", "check")
 _BULK_PARAMS = ("status", "task_id", "group_id", "since", "until", "limit", "ids", "page_size")
-
-
-Query = dict[str, str]
-
-
-def _query(request: Request) -> Query:
-    """The query parameters; an empty value counts as absent, a repeated ``ids`` is joined."""
-    q: Query = {}
-    for key in request.query_params:
-        values = [v for v in request.query_params.getlist(key) if v != ""]
-        if values:
-            q[key] = ",".join(values) if key == "ids" else values[-1]
-    return q
 
 
 def _flag(q: Query, name: str, default: bool) -> bool:
@@ -56,15 +44,6 @@ def _flag(q: Query, name: str, default: bool) -> bool:
     if raw.lower() in _FALSE:
         return False
     raise bad_request(f"{name} must be true or false, got {raw!r}", param=name)
-
-
-def _unknown_params(q: Query, allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(q.keys()) - set(allowed))
-    if unknown:
-        raise bad_request(
-            f"unknown query parameter(s) {', '.join(unknown)}; expected {', '.join(allowed)}",
-            param=unknown[0],
-        )
 
 
 def parse_options(q: Query) -> tuple[AssemblyOptions, bool]:
@@ -108,8 +87,8 @@ def trajectory_json(traj: Trajectory) -> bytes:
 
 @router.get("/api/rollouts/{rollout_id}/trajectory")
 async def get_trajectory(rollout_id: str, request: Request) -> Response:
-    q = _query(request)
-    _unknown_params(q, _OPTION_PARAMS)
+    q = query(request)
+    unknown_params(q, _OPTION_PARAMS)
     opts, check = parse_options(q)
     store = request.app.state.store
 
@@ -123,21 +102,11 @@ async def get_trajectory(rollout_id: str, request: Request) -> Response:
     return Response(await run_in_threadpool(work), media_type="application/json")
 
 
-def _time_param(q: Query, name: str) -> float | str | None:
-    raw = q.get(name)
-    if raw is None:
-        return None
-    try:
-        return float(raw)
-    except ValueError:
-        return raw  # ISO-8601; the store validates it
-
-
 def _positive(q: Query, name: str, default: int | None, most: int | None = None) -> int | None:
     raw = q.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= (most or int(raw)):
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= (most or int(raw)):
         bound = f" at most {most}" if most else ""
         raise bad_request(f"{name} must be a positive integer{bound}, got {raw!r}", param=name)
     return int(raw)
@@ -148,16 +117,17 @@ def _rows_by_ids(store: Any, ids: list[str], q: Query) -> list[dict]:
     for name in ("since", "until"):
         if q.get(name) is not None:
             raise bad_request(f"{name} cannot be combined with ids", param=name)
-    if q.get("status") is not None and q["status"] not in STATUSES:
-        raise bad_request(
-            f"unknown status {q['status']!r}; expected one of {', '.join(STATUSES)}", param="status"
-        )
-    rows = [store.get_rollout(rid) for rid in ids]
-    missing = [rid for rid, row in zip(ids, rows, strict=True) if row is None]
+    try:
+        check_status(q.get("status"))
+    except ValueError as e:
+        raise bad_request(str(e), param="status") from None
+    found = store.get_rollouts(ids)
+    missing = [rid for rid in ids if rid not in found]
     if missing:
         raise OpenAIError(404, f"unknown rollout id(s): {', '.join(missing[:20])}", param="ids")
     keep = {k: q[k] for k in ("status", "task_id", "group_id") if q.get(k) is not None}
-    return [r for r in rows if all(r[k] == v for k, v in keep.items())]  # type: ignore[index]
+    rows = [found[rid] for rid in ids]
+    return [r for r in rows if all(r[k] == v for k, v in keep.items())]
 
 
 def _pages(store: Any, q: Query, limit: int | None, page: int) -> Iterator[list[dict]]:
@@ -166,8 +136,8 @@ def _pages(store: Any, q: Query, limit: int | None, page: int) -> Iterator[list[
         "status": q.get("status"),
         "task_id": q.get("task_id"),
         "group_id": q.get("group_id"),
-        "since": _time_param(q, "since"),
-        "until": _time_param(q, "until"),
+        "since": q.get("since"),  # epoch seconds or ISO-8601: the store parses both
+        "until": q.get("until"),
     }
     cursor, left = None, limit
     rows, cursor = store.list_rollouts(**filters, limit=min(page, left or page))  # validates the filters
@@ -200,8 +170,8 @@ async def list_trajectories(request: Request) -> StreamingResponse:
     order), else those matching ``status``/``task_id``/``group_id``/``since``/``until`` newest first, at
     most ``limit``. Filters and ids combine. Read ``page_size`` rollouts (default 100) at a time while
     streaming."""
-    q = _query(request)
-    _unknown_params(q, _OPTION_PARAMS + _BULK_PARAMS)
+    q = query(request)
+    unknown_params(q, _OPTION_PARAMS + _BULK_PARAMS)
     opts, check = parse_options(q)
     limit = _positive(q, "limit", None)
     page = _positive(q, "page_size", PAGE, most=1000) or PAGE

@@ -10,6 +10,7 @@ COMMITTED, row locks with ``FOR UPDATE SKIP LOCKED``.
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -18,19 +19,17 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
+from tracegym.gateway.store.span_rows import json_text
+
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 SQLITE_PAGE_SIZE = 16_384
 """Page size of a new SQLite store (ignored for an existing file): span rows are ~3-4 KB, and 16 KiB pages
 insert them ~1.3x cheaper than the default 4 KiB (fewer page splits and overflow chains)."""
 SQLITE_CACHE_KIB = 32_768
+"""Page cache per connection (allocated as used): index inserts of large batches stay in memory."""
 SQLITE_MMAP_BYTES = 1 << 30
 """SQLite reads the store through a memory map of up to this size: page reads without a ``pread`` and a
 copy each, so a store larger than the page cache reads as fast per row as a small one."""
-"""Page cache per connection (allocated as used): index inserts of large batches stay in memory."""
-
-
-def _json_dumps(obj: Any) -> str:
-    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY).decode()
 
 
 def _json_loads(value: Any) -> Any:
@@ -49,12 +48,12 @@ def make_engine(url: str) -> sa.Engine:
     if backend == "sqlite":
         if parsed.database in (None, "", ":memory:"):
             raise ValueError("the trace store needs a file database (sqlite:///path.db), not :memory:")
-        engine = sa.create_engine(parsed, json_serializer=_json_dumps, json_deserializer=_json_loads)
+        engine = sa.create_engine(parsed, json_serializer=json_text, json_deserializer=_json_loads)
         _configure_sqlite(engine)
         return engine
     if backend == "postgresql":
         return sa.create_engine(
-            parsed, json_serializer=_json_dumps, json_deserializer=_json_loads,
+            parsed, json_serializer=json_text, json_deserializer=_json_loads,
             pool_size=10, max_overflow=20, pool_pre_ping=True,
         )
     raise ValueError(f"unsupported store URL {url!r}: use sqlite:///path.db or postgresql+psycopg://...")
@@ -116,10 +115,19 @@ def iso(ts: float | None) -> str | None:
 
 
 def to_epoch(value: float | int | str | datetime | None) -> float | None:
-    """Epoch seconds from a number, an ISO-8601 string (naive means UTC) or a datetime."""
+    """Epoch seconds from a number, a numeric string (epoch seconds, e.g. ``"1700000000"``), an ISO-8601
+    string (naive means UTC) or a datetime."""
     if value is None or isinstance(value, int | float):
         return value
     if isinstance(value, str):
+        try:
+            seconds = float(value)
+        except ValueError:
+            pass
+        else:
+            if not math.isfinite(seconds):
+                raise ValueError(f"bad time {value!r}: epoch seconds must be finite")
+            return seconds
         try:
             value = datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 from tracegym.gateway.store.db import Database, iso, now
 from tracegym.gateway.store.rollouts import ensure_rollouts
+from tracegym.gateway.store.schema import check_id_length, check_text, max_length
 from tracegym.gateway.store.schema import events as E
 from tracegym.gateway.store.schema import rollouts as R
 from tracegym.gateway.store.schema import train_metrics as M
@@ -65,6 +66,8 @@ class EventsMixin:
             raise ValueError(f"event kind must be one of {EVENT_KINDS}, got {kind!r}")
         if not rollout_id or not idempotency_key:
             raise ValueError("rollout_id and idempotency_key must be non-empty strings")
+        check_id_length("idempotency_key", idempotency_key)
+        check_text("name", name, max_length(E.c.name))
         if kind == "reward":
             value = _reward_value(value)
         row = {"rollout_id": rollout_id, "kind": kind, "name": name, "value": value, "attributes": attributes,
@@ -124,6 +127,7 @@ class EventsMixin:
         "created_at"}``."""
         if not version:
             raise ValueError("version must be a non-empty string")
+        check_id_length("version", version)
         ins = self.db.insert(W).values(version=version, path=path, step=step, swap_seconds=swap_seconds,
                                        created_at=now())
         stmt = ins.on_conflict_do_update(
@@ -144,6 +148,7 @@ class EventsMixin:
         """Store one training step's metrics (a re-post of the same step replaces it)."""
         if not run:
             raise ValueError("run must be a non-empty string")
+        check_id_length("run", run)
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"step must be an integer, got {step!r}")
         if not isinstance(metrics, dict):

@@ -17,7 +17,8 @@ import sqlalchemy as sa
 
 from tracegym.gateway.store.db import Database, now
 from tracegym.gateway.store.errors import Conflict, NotFound
-from tracegym.gateway.store.rollouts import rollout_dict
+from tracegym.gateway.store.rollouts import ensure_rollouts, rollout_dict
+from tracegym.gateway.store.schema import check_id_length, check_text, max_length
 from tracegym.gateway.store.schema import rollouts as R
 from tracegym.gateway.store.schema import tasks as T
 
@@ -66,6 +67,8 @@ class QueueMixin:
             if not isinstance(task, dict) or "input" not in task:
                 raise ValueError(f"tasks[{i}] must be an object with an 'input' field")
             task_id = task.get("task_id") or _new_id("task")
+            check_id_length(f"tasks[{i}].task_id", str(task_id))
+            check_text(f"tasks[{i}].split", task.get("split"), max_length(T.c.split))
             task_rows.append({"task_id": str(task_id), "input": task["input"], "split": task.get("split"),
                               "metadata": task.get("metadata"), "created_at": t})
             group_id = _new_id("grp")
@@ -115,6 +118,7 @@ class QueueMixin:
         they become ``running`` under ``worker_id``. Two claimers never get the same rollout."""
         if not worker_id:
             raise ValueError("worker_id must be a non-empty string")
+        check_id_length("worker_id", worker_id)
         if not isinstance(limit, int) or not 1 <= limit <= 1000:
             raise ValueError(f"limit must be an integer between 1 and 1000, got {limit!r}")
         _check_positive("lease_seconds", lease_seconds)
@@ -164,20 +168,22 @@ class QueueMixin:
     def complete(self, rollout_id: str, *, worker_id: str | None = None, reward: float | None = None) -> dict:
         """Mark completed (creating an unknown rollout, for ad-hoc SDK use). Conflict if another worker now
         holds it or it already failed. Idempotent on a completed rollout."""
+        check_id_length("worker_id", worker_id)
         t = now()
         with self.db.write() as conn:
+            # Insert-if-missing first (ON CONFLICT DO NOTHING, as add_event and insert_spans do): a
+            # concurrent writer creating the same new rollout is waited for instead of violating the key.
+            ensure_rollouts(self.db, conn, [(rollout_id, None)])
             row = _locked(self.db, conn, rollout_id)
-            if row is None:
-                conn.execute(sa.insert(R).values(
-                    rollout_id=rollout_id, status="adhoc", attempt=1, max_attempts=1, reward_final=False,
-                    created_at=t, worker_id=worker_id))
-            elif row.status == "completed":
+            if row.status == "completed":
                 return rollout_dict(row)
-            elif row.status == "failed":
+            if row.status == "failed":
                 raise Conflict(f"rollout {rollout_id} already failed: {row.error}")
-            elif _held_by_other(row, worker_id):
+            if _held_by_other(row, worker_id):
                 raise Conflict(f"rollout {rollout_id} is held by worker {row.worker_id!r}, not {worker_id!r}")
             values: dict[str, Any] = {"status": "completed", "finished_at": t, "lease_expires_at": None}
+            if row.worker_id is None and worker_id is not None:
+                values["worker_id"] = worker_id
             if reward is not None:
                 values |= {"reward": float(reward), "reward_final": True}
             return _update(conn, rollout_id, **values)

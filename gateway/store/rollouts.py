@@ -9,7 +9,11 @@ from typing import Any
 import sqlalchemy as sa
 
 from tracegym.gateway.store.db import Database, decode_cursor, encode_cursor, iso, now, to_epoch
+from tracegym.gateway.store.schema import check_id_length
 from tracegym.gateway.store.schema import rollouts as R
+
+PAGE_IDS = 500
+"""Ids per ``IN (...)`` query (well under SQLite's bound-parameter limit)."""
 
 STATUSES = ("queued", "running", "completed", "failed", "adhoc")
 TimeLike = float | str | datetime | None
@@ -46,11 +50,15 @@ def ensure_rollouts(db: Database, conn: sa.Connection, items: Iterable[tuple[str
                     status: str = "adhoc") -> None:
     """Insert missing rollouts ``(rollout_id, task_id)`` with ``status``; existing ones are untouched."""
     check_status(status)
+    items = dict(items)
+    for rid, tid in items.items():
+        check_id_length("rollout_id", rid)
+        check_id_length("task_id", tid)
     t = now()
     rows = [
         {"rollout_id": rid, "task_id": tid, "group_id": None, "status": status, "attempt": 1,
          "max_attempts": 1, "reward_final": False, "created_at": t}
-        for rid, tid in dict(items).items()
+        for rid, tid in items.items()
     ]
     if rows:
         conn.execute(db.insert(R).on_conflict_do_nothing(index_elements=["rollout_id"]), rows)
@@ -71,6 +79,18 @@ class RolloutsMixin:
         with self.db.read() as conn:
             row = conn.execute(sa.select(R).where(R.c.rollout_id == rollout_id)).first()
         return None if row is None else rollout_dict(row)
+
+    def get_rollouts(self, rollout_ids: Iterable[str]) -> dict[str, dict]:
+        """``{rollout_id: Rollout}`` of the given ids that exist (unknown ids are absent), read in one
+        transaction with one query per ``PAGE_IDS`` ids."""
+        ids = list(dict.fromkeys(rollout_ids))
+        out: dict[str, dict] = {}
+        with self.db.read() as conn:
+            for start in range(0, len(ids), PAGE_IDS):
+                q = sa.select(R).where(R.c.rollout_id.in_(ids[start : start + PAGE_IDS]))
+                for row in conn.execute(q):
+                    out[row.rollout_id] = rollout_dict(row)
+        return out
 
     def list_rollouts(
         self,

@@ -115,3 +115,53 @@ train_metrics = sa.Table(
     sa.Column("created_at", sa.Double, nullable=False),
     sa.UniqueConstraint("run", "step", name="uq_train_metrics_run_step"),
 )
+
+
+# -- value checks derived from the column types ------------------------------------------------------------
+# PostgreSQL rejects a string longer than its VARCHAR(n) column, or one holding a NUL character, with a
+# DataError that aborts the whole transaction (a batch of spans, say); SQLite stores either. Writers check
+# their values first with these, so that one bad value is a clear ValueError (-> 400, or one dropped span)
+# on both backends.
+
+
+def max_length(column: sa.Column) -> int | None:
+    """The declared length of a VARCHAR column (None for TEXT and non-string columns)."""
+    return getattr(column.type, "length", None)
+
+
+ID_MAX_LENGTH: int = rollouts.c.rollout_id.type.length
+"""The longest id the store keeps: rollout, task, group, worker, call and event ids, weight versions and
+idempotency keys are all VARCHAR(200) columns (e.g. for the ``X-Rollout-Id`` / ``X-Task-Id`` headers)."""
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+"""Range of the INTEGER columns (``events.call_index``, ``weight_versions.step``, ``train_metrics.step``)."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Range of the BIGINT columns (span times in nanoseconds)."""
+
+
+def check_text(name: str, value: object, limit: int | None = None) -> None:
+    """ValueError unless ``value`` is None or a string of at most ``limit`` characters without NUL."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    if limit is not None and len(value) > limit:
+        raise ValueError(f"{name} is {len(value)} characters long; the store keeps at most {limit}")
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain NUL characters")
+
+
+def check_id_length(name: str, value: object) -> None:
+    """``check_text`` against ``ID_MAX_LENGTH``: for ids from headers, paths and bodies before they are
+    written (e.g. ``check_id_length("X-Rollout-Id", rid)``)."""
+    check_text(name, value, ID_MAX_LENGTH)
+
+
+def _id_columns_agree() -> None:
+    ids = [rollouts.c.rollout_id, rollouts.c.task_id, rollouts.c.group_id, rollouts.c.worker_id,
+           rollouts.c.weight_version, tasks.c.task_id, spans.c.rollout_id, spans.c.call_id,
+           events.c.rollout_id, events.c.idempotency_key, weight_versions.c.version, train_metrics.c.run]
+    if any(max_length(c) != ID_MAX_LENGTH for c in ids):
+        raise RuntimeError("the id columns of the schema must all be VARCHAR(ID_MAX_LENGTH)")
+
+
+_id_columns_agree()

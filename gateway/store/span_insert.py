@@ -69,6 +69,6 @@ def insert_postgresql(dbapi_conn: Any, rows: Sequence[tuple]) -> int:
             f"INSERT INTO spans ({_COLS}) SELECT {_COLS} FROM {_STAGE} "
             "ON CONFLICT (trace_id, span_id) DO NOTHING"
         )
-        inserted = cur.rowcount
-        cur.execute(f"DELETE FROM {_STAGE}")
-        return inserted
+        # No DELETE of the stage: ON COMMIT DELETE ROWS empties it, and a second call in the same
+        # transaction would only offer again rows that are stored by now (and skipped by DO NOTHING).
+        return cur.rowcount

@@ -12,7 +12,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import orjson
+import sqlalchemy as sa
 
+from tracegym.gateway.store.schema import INT64_MAX, INT64_MIN, check_text, max_length
+from tracegym.gateway.store.schema import rollouts as R
 from tracegym.gateway.store.schema import spans as S
 
 COLUMNS: tuple[str, ...] = tuple(c.name for c in S.columns if c.name != "id")
@@ -25,6 +28,12 @@ _DEFAULTS: dict[str, Any] = {"source": "gateway", "kind": "internal", "status": 
 _JSON_OPTS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
 JSON_NULL = "null"
 """How a None in a JSON column is stored (what SQLAlchemy's ``JSON`` type writes for None)."""
+_TEXT = tuple((COLUMNS.index(c.name), c.name, max_length(c), c.nullable) for c in S.columns
+              if c.name != "id" and isinstance(c.type, sa.String))
+"""``(position, column, VARCHAR length or None, nullable)`` of the string columns (see ``check_row``)."""
+_BIGINT = tuple(COLUMNS.index(c.name) for c in S.columns
+                if c.name != "id" and isinstance(c.type, sa.BigInteger))
+_TASK_MAX, _VERSION_MAX = max_length(R.c.task_id), max_length(R.c.weight_version)
 
 
 def json_text(obj: Any) -> str:
@@ -40,6 +49,23 @@ def encode_row(row: dict[str, Any], i: int = 0) -> tuple:
     return tuple(
         json_text(row.get(c)) if c in JSON_COLUMNS else row.get(c, _DEFAULTS.get(c)) for c in COLUMNS
     )
+
+
+def check_row(row: tuple) -> None:
+    """ValueError unless PostgreSQL takes every value of the tuple as SQLite does: strings within their
+    column's length and without NUL, no None in a NOT NULL string column, span times within BIGINT. (One
+    bad value would otherwise fail the insert of the whole batch on PostgreSQL only.)"""
+    for pos, name, limit, nullable in _TEXT:
+        v = row[pos]
+        if v is None:
+            if not nullable:
+                raise ValueError(f"span {name} must not be null")
+        elif type(v) is not str or (limit is not None and len(v) > limit) or "\x00" in v:
+            check_text(f"span {name}", v, limit)
+    for pos in _BIGINT:
+        v = row[pos]
+        if not isinstance(v, int) or not INT64_MIN <= v <= INT64_MAX:
+            raise ValueError(f"span {COLUMNS[pos]} must be an integer within int64, got {v!r}")
 
 
 class SpanBatch:
@@ -59,13 +85,21 @@ class SpanBatch:
         for i, r in enumerate(rows):
             attrs = r.get("attributes")
             get = attrs.get if isinstance(attrs, dict) else {}.get
-            batch.add(encode_row(r, i), get("tracegym.task_id"), get("tracegym.weight_version"))
+            try:
+                batch.add(encode_row(r, i), get("tracegym.task_id"), get("tracegym.weight_version"))
+            except ValueError as e:
+                raise ValueError(f"span row {i} ({r.get('name')!r}): {e}") from None
         return batch
 
     def add(self, row: tuple, task_id: str | None, weight_version: str | None) -> None:
-        """Append a value tuple (``COLUMNS`` order) with the task id and weight version its span names."""
-        self.rows.append(row)
+        """Append a value tuple (``COLUMNS`` order) with the task id and weight version its span names;
+        ValueError (and nothing appended) when a value does not fit its column (``check_row``)."""
+        check_row(row)
         rid = row[ROLLOUT_POS]
+        if rid is not None:
+            check_text("tracegym.task_id", task_id, _TASK_MAX)
+            check_text("tracegym.weight_version", weight_version, _VERSION_MAX)
+        self.rows.append(row)
         if rid is None:
             return
         if self.tasks.get(rid) is None:
@@ -81,10 +115,3 @@ class SpanBatch:
 
     def __iter__(self) -> Iterator[tuple]:
         return iter(self.rows)
-
-    def as_dicts(self) -> list[dict[str, Any]]:
-        """The rows as column dicts with JSON decoded (for tests and non-SQL sinks)."""
-        return [
-            {c: orjson.loads(v) if c in JSON_COLUMNS else v for c, v in zip(COLUMNS, row, strict=True)}
-            for row in self.rows
-        ]

@@ -15,14 +15,12 @@ from tracegym.gateway.store.schema import rollouts as R
 from tracegym.gateway.store.schema import spans as S
 from tracegym.gateway.store.span_insert import insert_postgresql, insert_sqlite
 from tracegym.gateway.store.span_reads import read_call_records
-from tracegym.gateway.store.span_rows import SpanBatch
+from tracegym.gateway.store.span_rows import COLUMNS, SpanBatch
 from tracegym.types import CallRecord
-
-_COLUMNS = [c.name for c in S.columns if c.name != "id"]
 
 
 def _span_dict(m: Any) -> dict[str, Any]:
-    d = {c: m[c] for c in _COLUMNS if c not in ("prompt_ids", "output_ids", "output_logprobs")}
+    d = {c: m[c] for c in COLUMNS if c not in ("prompt_ids", "output_ids", "output_logprobs")}
     d["prompt_ids"] = decode(m["prompt_ids"])
     d["choices"] = decoded_choices(m)
     return d

@@ -129,3 +129,39 @@ def test_a_finished_rollout_already_has_all_its_spans(store_url: str) -> None:
     finally:
         recorder.shutdown()
         store.close()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/api/tasks", {"tasks": [{"task_id": "t" * 201, "input": 1}]}),
+    ("/api/tasks", {"tasks": [{"input": 1, "split": "s" * 101}]}),
+    ("/api/rollouts/claim", {"worker_id": "w" * 201}),
+    ("/api/rollouts/r1/heartbeat", {"worker_id": "w" * 201}),
+    ("/api/rollouts/r1/complete", {"worker_id": "w" * 201}),
+    ("/api/rollouts/r1/fail", {"worker_id": "w" * 201, "error": "x"}),
+    ("/api/rollouts/r1/release", {"worker_id": "w" * 201}),
+    ("/api/rollouts/r1/rewards", {"value": 1.0, "idempotency_key": "k", "name": "n" * 201}),
+    ("/api/rollouts/r1/rewards", {"value": 1.0, "idempotency_key": "k", "call_index": 2**31}),
+    ("/api/rollouts/r1/events", {"name": "n" * 201, "idempotency_key": "k"}),
+    ("/api/rollouts/r1/events", {"name": "e\u0000", "idempotency_key": "k"}),
+    (f"/api/rollouts/{'r' * 201}/complete", {}),
+    (f"/api/rollouts/{'r' * 201}/rewards", {"value": 1.0, "idempotency_key": "k"}),
+    ("/api/weight_versions", {"version": "v" * 201}),
+    ("/api/weight_versions", {"version": "v", "step": 2**31}),
+    ("/api/runs/r/metrics", {"step": 2**40, "metrics": {}}),
+    (f"/api/runs/{'r' * 201}/metrics", {"step": 1, "metrics": {}}),
+])
+def test_values_the_store_cannot_keep_are_400(client, path, body):
+    """PostgreSQL refuses strings longer than their VARCHAR column (and NULs, and INTEGER overflow) with a
+    DataError (a 500 before); the routes check the column limits first, on both backends."""
+    assert _err(client.post(path, json=body), 400)["type"] == "invalid_request_error"
+    assert client.store.list_rollouts()[0] == []
+
+
+def test_rollout_queries_take_epoch_seconds_and_ignore_empty_values(client):
+    client.post("/api/tasks", json={"tasks": [{"input": 1}], "group_size": 2})
+    page = client.get("/api/rollouts", params={"since": "1700000000", "status": "", "cursor": ""})
+    assert page.status_code == 200, page.text
+    assert len(page.json()["rollouts"]) == 2
+    assert client.get("/api/rollouts", params={"until": "1700000000"}).json()["rollouts"] == []
+    _err(client.get("/api/rollouts", params={"since": "nan"}), 400)
+    _err(client.get("/api/rollouts", params={"limit": "0"}), 400)

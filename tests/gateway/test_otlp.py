@@ -115,3 +115,75 @@ def test_otlp_json_and_bad_input(live):
     bad = httpx.post(f"{url}/v1/traces", content=gzip.compress(b"x")[:5],
                      headers={"content-type": "application/x-protobuf", "content-encoding": "gzip"})
     assert bad.status_code == 400
+
+
+def _any_value(v) -> dict:
+    import base64
+
+    if isinstance(v, bool):
+        return {"boolValue": v}
+    if isinstance(v, int):
+        return {"intValue": str(v)}
+    if isinstance(v, float):
+        return {"doubleValue": v}
+    if isinstance(v, bytes):
+        return {"bytesValue": base64.b64encode(v).decode()}
+    if isinstance(v, list | tuple):
+        return {"arrayValue": {"values": [_any_value(x) for x in v]}}
+    return {"stringValue": str(v)}
+
+
+def _call_span_body(attrs: dict, span_id: str = "eee19b7ec3c1b174", name: str = "chat m") -> dict:
+    return {"resourceSpans": [{"resource": {"attributes": []}, "scopeSpans": [{"scope": {"name": "s"}, "spans": [{
+        "traceId": "5b8efff798038103d269b633813fc60c", "spanId": span_id, "name": name, "kind": 3,
+        "startTimeUnixNano": "1700000000000000000", "endTimeUnixNano": "1700000000500000000",
+        "attributes": [{"key": k, "value": _any_value(v)} for k, v in attrs.items()]}]}]}]}
+
+
+def test_call_spans_that_later_reads_cannot_rebuild_are_400(live):
+    """An OTLP span with the LLM call keys is read back as a CallRecord by every trajectory read of its
+    rollout: one that cannot be rebuilt is refused at ingest, not stored to break those reads."""
+    from tests.gateway.test_store_helpers import make_record
+    from tracegym.gateway.spans import call_record_attributes
+    from tracegym.gateway.store.codec import encode_floats
+
+    store, url = live
+    good = call_record_attributes(make_record(0, rollout_id="ro-call"))
+    bad_cases = [
+        ({k: v for k, v in good.items() if k != "gen_ai.operation.name"}, "gen_ai.operation.name"),
+        ({k: v for k, v in good.items() if k != "gen_ai.request.model"}, "gen_ai.request.model"),
+        (good | {"tracegym.output_token_ids": encode_floats([0.5] * 7)}, "tagged i or q"),
+        (good | {"tracegym.output_logprobs": encode_ints([1] * 7)}, "tagged f or d"),
+        (good | {"tracegym.prompt_token_ids": b"i\x01\x00\x00"}, "multiple"),  # 3 bytes: not an int32
+        (good | {"tracegym.prompt_token_ids": b"z\x01"}, "tag"),
+        (good | {"tracegym.output_token_ids": encode_ints([1, 2])}, "shorter"),  # choices say 7 ids
+        (good | {"tracegym.choices": '[{"finish_reason": "stop"}]'}, "index"),
+        (good | {"tracegym.choices": "[1]"}, "bad LLM call span"),
+        (good | {"tracegym.agent_name": 5}, "agent_name"),
+        (good | {"tracegym.rollout_id": "r" * 201}, "201 characters"),
+    ]
+    for attrs, message in bad_cases:
+        r = httpx.post(f"{url}/v1/traces", json=_call_span_body(attrs))
+        assert r.status_code == 400, (message, r.text)
+        assert message in r.json()["error"]["message"], (message, r.text)
+    assert store.list_rollouts()[0] == []  # nothing of the refused requests was stored
+
+    r = httpx.post(f"{url}/v1/traces", json=_call_span_body(good))
+    assert r.status_code == 200, r.text
+    [rec] = store.list_call_records("ro-call")
+    assert rec.to_dict() == make_record(0, rollout_id="ro-call").to_dict() | {
+        "start_time_ns": 1700000000000000000, "end_time_ns": 1700000000500000000}
+    spans = httpx.get(f"{url}/api/rollouts/ro-call/spans").json()["spans"]
+    assert spans[0]["source"] == "otlp" and spans[0]["choices"][0]["output_ids"] == rec.choices[0].output_ids
+
+
+def test_an_overlong_value_is_400_not_a_lost_batch(live):
+    store, url = live
+    body = _call_span_body({"tracegym.rollout_id": "ro-fine"}, name="x" * 501)
+    r = httpx.post(f"{url}/v1/traces", json=body)
+    assert r.status_code == 400 and "name" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/traces", json=_call_span_body({"tracegym.rollout_id": "ro-fine"}))
+    assert r.status_code == 200 and len(store.list_spans("ro-fine")) == 1
+    r = httpx.post(f"{url}/v1/traces", json=_call_span_body({}, span_id="eee19b7ec3c1b175"),
+                   headers={"X-Rollout-Id": "h" * 201})
+    assert r.status_code == 400 and "rollout_id" in r.json()["error"]["message"]

@@ -12,13 +12,6 @@ import pytest
 from tracegym.gateway.store import Conflict, NotFound, Store
 
 
-@pytest.fixture
-def store(store_url: str):
-    s = Store.open(store_url)
-    yield s
-    s.close()
-
-
 def test_claim_complete_lifecycle(store: Store):
     [t] = store.enqueue_tasks([{"task_id": "t1", "input": {"q": "2+2"}}], group_size=2)
     first = store.claim("w1", limit=1, lease_seconds=30)
@@ -157,3 +150,35 @@ def test_claim_takes_exactly_limit_oldest_first(store: Store):
     early = {rid for t in first for rid in t["rollout_ids"]}
     assert {r["rollout_id"] for r in got} <= early
     assert len(store.list_rollouts(status="queued", limit=100)[0]) == 10
+
+
+def test_concurrent_writers_of_one_new_rollout_do_not_conflict(store: Store):
+    """complete, add_event and insert_spans all create an unknown rollout; run together on the same new id
+    (PostgreSQL: separate transactions) none of them may fail on the primary key."""
+    from tests.gateway.test_store_helpers import make_record
+
+    errors: list[BaseException] = []
+    for n in range(8):
+        rid = f"ro-race-{n}"
+        barrier = threading.Barrier(3)
+
+        def run(fn, rid=rid, barrier=barrier) -> None:
+            try:
+                barrier.wait(10)
+                fn(rid)
+            except BaseException as e:  # collected, asserted below
+                errors.append(e)
+
+        writers = [
+            lambda rid: store.complete(rid, worker_id="w", reward=1.0),
+            lambda rid: store.add_event(rid, kind="event", name="e", idempotency_key="k"),
+            lambda rid: store.insert_call_records([make_record(0, rollout_id=rid)]),
+        ]
+        threads = [threading.Thread(target=run, args=(w,)) for w in writers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        row = store.get_rollout(rid)
+        assert row["status"] == "completed" and row["worker_id"] == "w" and row["reward"] == 1.0
+    assert errors == []

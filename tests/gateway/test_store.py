@@ -20,13 +20,6 @@ from tracegym.gateway.store.migrate import main as db_main
 from tracegym.gateway.store.schema import metadata
 
 
-@pytest.fixture
-def store(store_url: str):
-    s = Store.open(store_url)
-    yield s
-    s.close()
-
-
 def test_codec_is_bit_exact():
     ids = [0, 1, 49151, 2**31 - 1]
     assert decode(encode_ints(ids)) == ids
@@ -169,3 +162,29 @@ def test_bad_store_urls():
         Store.open("sqlite://")
     with pytest.raises((ValueError, sa.exc.ArgumentError, sa.exc.NoSuchModuleError)):
         Store.open("mysql://x/y")
+
+
+def test_get_rollouts_reads_many_in_pages(store: Store):
+    from tracegym.gateway.store.rollouts import PAGE_IDS
+
+    groups = store.enqueue_tasks([{"input": i} for i in range(3)], group_size=PAGE_IDS // 2)
+    rids = [rid for g in groups for rid in g["rollout_ids"]]
+    assert len(rids) > PAGE_IDS
+    got = store.get_rollouts([*rids, "ghost", rids[0]])
+    assert set(got) == set(rids) and got[rids[-1]] == store.get_rollout(rids[-1])
+    assert store.get_rollouts([]) == {}
+
+
+def test_times_are_epoch_seconds_iso_or_datetimes():
+    from datetime import UTC, datetime
+
+    from tracegym.gateway.store.db import to_epoch
+
+    assert to_epoch("1700000000") == to_epoch(" 1700000000.5 ") - 0.5 == 1_700_000_000
+    assert to_epoch("2023-11-14T22:13:20Z") == to_epoch("2023-11-14T22:13:20") == 1_700_000_000
+    assert to_epoch(datetime(2023, 11, 14, 22, 13, 20, tzinfo=UTC)) == 1_700_000_000
+    assert to_epoch("20240101") == 20_240_101  # a number is always epoch seconds
+    assert to_epoch(None) is None and to_epoch(5) == 5
+    for bad in ("yesterday", "nan", "inf", ""):
+        with pytest.raises(ValueError, match="bad time"):
+            to_epoch(bad)

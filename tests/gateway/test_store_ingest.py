@@ -14,13 +14,6 @@ from tracegym.gateway.store.db import SQLITE_PAGE_SIZE
 from tracegym.gateway.store.span_rows import COLUMNS, JSON_COLUMNS, SpanBatch, encode_row
 
 
-@pytest.fixture
-def store(store_url: str):
-    s = Store.open(store_url)
-    yield s
-    s.close()
-
-
 def _records():
     recs = [
         make_record(0),
@@ -46,7 +39,7 @@ def test_direct_row_equals_the_dict_path():
         for col, d, v in zip(COLUMNS, direct, via_dict, strict=True):
             if col in JSON_COLUMNS:
                 assert orjson.loads(d) == orjson.loads(v), col
-            elif col != "status_message":  # the dict path also keeps a message on ok calls
+            else:
                 assert d == v, col
     assert via_dict[COLUMNS.index("attributes")].startswith("{")
     assert orjson.loads(direct[COLUMNS.index("attributes")])["gen_ai.request.max_tokens"] == 9
@@ -105,3 +98,56 @@ def test_spans_table_storage_settings(store: Store):
             compressed = conn.exec_driver_sql(
                 "SELECT pg_column_size(attributes) < octet_length(attributes::text) FROM spans").scalar()
             assert compressed is False  # a ~4 KB row stays inline, uncompressed (PostgreSQL's default: > 2 KB)
+
+
+def test_rows_postgresql_would_refuse_are_refused_alike(store: Store):
+    """One value PostgreSQL refuses (too long for its VARCHAR, a NUL, beyond BIGINT) fails the insert of the
+    whole batch there, while SQLite stores it: ``SpanBatch.add`` refuses it on both, before any write."""
+    from tracegym.gateway.store.schema import ID_MAX_LENGTH, check_id_length
+
+    good = call_record_to_row(make_record(0, rollout_id="ro-len"), trace_id="a" * 32, span_id="b" * 16)
+    assert len(SpanBatch.from_dicts([good | {"rollout_id": "r" * ID_MAX_LENGTH}])) == 1
+    bad_rows = [
+        ({"rollout_id": "r" * (ID_MAX_LENGTH + 1)}, "rollout_id is 201 characters"),
+        ({"call_id": "c" * 201}, "call_id"),
+        ({"name": "n" * 501}, "name"),
+        ({"span_id": "b" * 17}, "span_id"),
+        ({"name": "a\x00b"}, "NUL"),
+        ({"status_message": "x\x00"}, "NUL"),
+        ({"call_id": 7}, "must be a string"),
+        ({"source": None}, "must not be null"),
+        ({"end_time_ns": 2**64 - 1}, "int64"),
+        ({"attributes": good["attributes"] | {"tracegym.task_id": "t" * 201}}, "task_id"),
+        ({"attributes": good["attributes"] | {"tracegym.weight_version": "v" * 201}}, "weight_version"),
+    ]
+    for change, message in bad_rows:
+        with pytest.raises(ValueError, match=message):
+            SpanBatch.from_dicts([good, good | change])
+    batch = SpanBatch()
+    with pytest.raises(ValueError):
+        batch.add(encode_row(good | {"rollout_id": "r" * 201}), None, None)
+    assert len(batch) == 0 and not batch.tasks  # nothing half-added
+    assert store.insert_spans([good]) == 1 and store.get_rollout("ro-len")["status"] == "adhoc"
+    check_id_length("X-Rollout-Id", "r" * 200)
+    with pytest.raises(ValueError, match="X-Rollout-Id"):
+        check_id_length("X-Rollout-Id", "r" * 201)
+
+
+def test_store_writes_refuse_overlong_ids(store: Store):
+    long = "x" * 201
+    for write in (
+        lambda: store.add_event(long, kind="event", idempotency_key="k"),
+        lambda: store.add_event("ro", kind="event", idempotency_key=long),
+        lambda: store.add_event("ro", kind="event", idempotency_key="k", name=long),
+        lambda: store.complete(long),
+        lambda: store.complete("ro", worker_id=long),
+        lambda: store.claim(long),
+        lambda: store.enqueue_tasks([{"task_id": long, "input": 1}]),
+        lambda: store.enqueue_tasks([{"input": 1, "split": "s" * 101}]),
+        lambda: store.ensure_rollout("ro", task_id=long),
+        lambda: store.add_weight_version(long),
+        lambda: store.add_metrics(long, 1, {}),
+    ):
+        with pytest.raises(ValueError, match=r"(201|101) characters"):
+            write()
+    assert store.list_rollouts()[0] == []

@@ -19,13 +19,6 @@ from tracegym.types import CallRecord
 TRICKY = ',"tracegym.choices":[{"x":1}],"tracegym.request":{"y":2}'
 
 
-@pytest.fixture
-def store(store_url: str):
-    s = Store.open(store_url)
-    yield s
-    s.close()
-
-
 def _as_lists(rec: CallRecord) -> dict:
     d = rec.to_dict()
     d["prompt_ids"] = None if rec.prompt_ids is None else rec.prompt_ids.tolist()

@@ -14,13 +14,6 @@ from tracegym.gateway.store import Store
 from tracegym.gateway.tracing import TraceRecorder
 
 
-@pytest.fixture
-def store(store_url: str):
-    s = Store.open(store_url)
-    yield s
-    s.close()
-
-
 def _metric(registry: CollectorRegistry, line_start: str) -> float:
     for line in generate_latest(registry).decode().splitlines():
         if line.startswith(line_start):
@@ -168,3 +161,117 @@ def test_calls_without_times_get_the_recording_time(store: Store):
     rec.shutdown()
     (span,) = store.list_spans("ro-now")
     assert span["start_time_ns"] > 1_700_000_000 * 10**9 and span["end_time_ns"] >= span["start_time_ns"]
+
+
+def test_an_overlong_id_drops_only_its_own_span(store: Store):
+    """PostgreSQL refuses an id longer than its VARCHAR(200) column, and with it the whole transaction: the
+    recorder checks lengths while encoding, so only the bad span is lost (counted), not its batch."""
+    registry = CollectorRegistry()
+    rec = TraceRecorder(store, registry=registry, schedule_delay_s=60)
+    calls = [make_record(i, rollout_id="ro-ok") for i in range(4)]
+    calls.insert(2, make_record(9, rollout_id="r" * 201))
+    calls.append(make_record(10, rollout_id="ro-ok2", task_id="t" * 201))
+    for c in calls:
+        rec.record(c)
+    assert rec.force_flush()
+    want = [c.call_id for c in calls if c.rollout_id == "ro-ok"]
+    assert [c.call_id for c in store.list_call_records("ro-ok")] == want
+    assert store.get_rollout("r" * 201) is None and store.get_rollout("ro-ok2") is None
+    assert _metric(registry, 'tracegym_spans_dropped_total{reason="encode_error"}') == 2
+    assert _metric(registry, 'tracegym_spans_dropped_total{reason="export_error"}') == 0
+    assert _metric(registry, "tracegym_spans_exported_total") == 4
+    rec.shutdown()
+
+
+class RejectingStore:
+    """A store refusing every batch the way PostgreSQL refuses bad data."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.calls = 0
+
+    def insert_spans(self, rows) -> int:
+        self.calls += 1
+        raise self.error
+
+
+def test_deterministic_store_rejections_are_not_retried():
+    import sqlalchemy.exc as sa_exc
+
+    for error, tries in ((sa_exc.DataError("INSERT", {}, Exception("value too long")), 1),
+                         (sa_exc.IntegrityError("INSERT", {}, Exception("null value")), 1),
+                         (sa_exc.OperationalError("INSERT", {}, Exception("connection reset")), 2)):
+        registry = CollectorRegistry()
+        store = RejectingStore(error)
+        rec = TraceRecorder(store, registry=registry)
+        rec.exporter.retries = 2
+        rec.record(make_record(0))
+        rec.shutdown()
+        assert store.calls == tries, error
+        assert _metric(registry, 'tracegym_spans_dropped_total{reason="export_error"}') == 1
+
+
+def test_force_flush_honours_its_timeout(store: Store):
+    """force_flush waits only for what was queued before it, and at most its timeout (it runs on every
+    /complete and /fail): a stuck store makes it return False in time, not hang."""
+    import time
+
+    gated = GatedStore(store)
+    rec = TraceRecorder(gated, schedule_delay_s=60)
+    rec.record(make_record(0, rollout_id="ro-slow"))
+    t0 = time.monotonic()
+    assert rec.force_flush(timeout_s=0.3) is False
+    assert time.monotonic() - t0 < 5
+    gated.gate.set()
+    assert rec.force_flush(timeout_s=30) is True
+    assert len(store.list_call_records("ro-slow")) == 1
+    rec.shutdown()
+    assert rec.force_flush(timeout_s=1) is True  # after shutdown: everything is written
+
+
+def test_force_flush_does_not_wait_for_later_traffic(store: Store):
+    rec = TraceRecorder(store, schedule_delay_s=60, max_batch_size=50)
+    stop = threading.Event()
+
+    def traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            rec.record(make_record(i, rollout_id="ro-busy"))
+            i += 1
+
+    rec.record(make_record(0, rollout_id="ro-mine"))
+    t = threading.Thread(target=traffic)
+    t.start()
+    try:
+        assert rec.force_flush(timeout_s=20) is True
+        assert len(store.list_call_records("ro-mine")) == 1
+    finally:
+        stop.set()
+        t.join()
+        rec.shutdown()
+
+
+def test_the_build_thread_survives_unexpected_errors(store: Store, caplog):
+    registry = CollectorRegistry()
+    rec = TraceRecorder(store, registry=registry, schedule_delay_s=0.01)
+    processor = rec.processor
+    real = processor._add_call
+
+    def flaky(batch, r, start, end):
+        if r.call_id == "chatcmpl-0-1":
+            raise RuntimeError("bug")
+        return real(batch, r, start, end)
+
+    processor._add_call = flaky
+    with caplog.at_level(logging.ERROR, logger="tracegym.gateway.tracing"):
+        for i in range(3):
+            rec.record(make_record(i, rollout_id="ro-bug"))
+        assert rec.force_flush()
+    assert processor._builder.is_alive()
+    rec.record(make_record(3, rollout_id="ro-bug"))  # still working afterwards
+    assert rec.force_flush()
+    stored = [c.call_id for c in store.list_call_records("ro-bug")]
+    assert stored == ["chatcmpl-0-0", "chatcmpl-0-2", "chatcmpl-0-3"]
+    assert _metric(registry, 'tracegym_spans_dropped_total{reason="internal_error"}') == 1
+    assert any("unexpected error" in r.getMessage() for r in caplog.records)
+    rec.shutdown()

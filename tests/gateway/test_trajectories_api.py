@@ -190,3 +190,15 @@ def test_bulk_bad_filters_are_400(setup):
         resp = client.get("/api/trajectories", params=params)
         assert resp.status_code == 400, (params, resp.text)
         assert resp.json()["error"]["message"]
+
+
+def test_time_filters_take_epoch_seconds_and_bad_numbers_are_400(setup):
+    client, _, d = setup
+    everything = _lines(client.get("/api/trajectories", params={"since": "1700000000"}))
+    assert len(everything) == len(d["rids"])
+    assert _lines(client.get("/api/trajectories", params={"until": "1700000000"})) == []
+    for params in ({"limit": "²"}, {"page_size": "١٠"}, {"limit": "-1"}):  # str.isdigit() takes these
+        resp = client.get("/api/trajectories", params=params)
+        assert resp.status_code == 400, (params, resp.text)
+    resp = client.get("/api/trajectories", params={"ids": d["rids"][0], "status": "bogus"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "status"

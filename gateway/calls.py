@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracegym.gateway.deps import Services
+from tracegym.gateway.errors import bad_request
+from tracegym.gateway.store.schema import check_id_length
 from tracegym.gateway.upstream.base import GenChoice, GenerateRequest, GenerateResult, TopLogprob
 from tracegym.gateway.validation import ParsedRequest
 from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan
@@ -42,10 +44,17 @@ def new_id() -> str:
 def new_context(operation: str, path_rollout: str | None, headers: Any) -> CallContext:
     prefix = "chatcmpl-" if operation == "chat" else "cmpl-"
     rollout = path_rollout or headers.get("x-rollout-id") or None
+    task_id = headers.get("x-task-id") or None
+    for name, value in (("rollout_id", rollout), ("X-Task-Id", task_id)):
+        if value is not None:
+            try:
+                check_id_length(name, value)  # the store's id columns: refused here, not at insert time
+            except ValueError as e:
+                raise bad_request(str(e), name) from e
     return CallContext(
         call_id=prefix + new_id(),
         rollout_id=rollout or f"adhoc-{new_id()}",
-        task_id=headers.get("x-task-id") or None,
+        task_id=task_id,
         agent_name=headers.get("x-agent-name") or None,
         adhoc=rollout is None,
     )

@@ -225,6 +225,17 @@ def test_template_kwargs_reach_the_template_on_both_paths(gw) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
 
 
+def test_overlong_rollout_and_task_ids_are_400(gw) -> None:
+    """Ids longer than the store's columns are refused up front (PostgreSQL would reject the span)."""
+    srv, _ = gw
+    body = {"model": MODEL, "messages": Q, "max_tokens": 4}
+    r = _post(srv.url + "/rollouts/" + "r" * 201 + "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rollout_id", r.text
+    r = _post(srv.url + "/v1/chat/completions", body, headers={"X-Task-Id": "t" * 201})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Task-Id", r.text
+    assert _post(srv.url + "/v1/chat/completions", body, headers={"X-Rollout-Id": "r" * 200}).status_code == 200
+
+
 def test_tool_arguments_too_deep_to_parse_are_rendered_as_sent(gw) -> None:
     """A client's arguments string that nests deeper than JSON parsing allows is kept as a string."""
     srv, _ = gw

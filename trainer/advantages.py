@@ -174,11 +174,3 @@ def filter_zero_signal_groups(
     gmin = empty.scatter_reduce(0, index, rewards, reduce="amin", include_self=False)
     return (gmax > gmin)[index]
 
-
-def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence advantages ``[B]`` to per-token ``[B, T]``: the value on mask-1 tokens, 0 elsewhere."""
-    if advantages.dim() != 1 or mask.dim() != 2 or advantages.shape[0] != mask.shape[0]:
-        raise ValueError(
-            f"need advantages [B] and mask [B, T], got {tuple(advantages.shape)} and {tuple(mask.shape)}"
-        )
-    return torch.where(mask.bool(), advantages[:, None], torch.zeros((), dtype=advantages.dtype))

@@ -9,8 +9,8 @@ Everything here is pure (lists in, lists or tensors out) so it can be tested wit
   tokens (rows × longest row); samples are sorted by length first so padding stays small.
 - ``plan_step``: both of the above, plus the number of micro-batches every rank must run (FSDP2's
   collectives need the same count on every rank; ranks with fewer run empty, zero-weight ones).
-- ``add_loss_metrics``/``combine_metrics``: the way back — per-micro-batch metrics summed on each rank,
-  then the ranks' sums turned into one step's metrics.
+- ``add_loss_metrics``/``combine_metrics``: the way back — per-micro-batch metrics summed (maxima
+  maxed) on each rank, then the ranks' sums turned into one step's metrics.
 - ``collate``: right-pads one micro-batch into tensors aligned with the *targets* (position ``t`` holds
   token ``t + 1``), trimmed to the smallest suffix that still covers every loss token (``logits_to_keep``).
 """
@@ -206,18 +206,28 @@ def _logits_to_keep(masks: Seq[Seq[int]], length: int) -> int:
     return length - min(starts)
 
 
+MAX_METRICS = ("ratio_max",)
+"""``policy_loss`` metrics that are maxima over tokens: combined by max (``max:<name>``), not averaged."""
+
+
 def add_loss_metrics(sums: dict[str, float], metrics: dict[str, float]) -> None:
-    """Accumulate ``policy_loss`` metrics: loss-scaled ones summed, per-token means weighted by tokens."""
+    """Accumulate ``policy_loss`` metrics: loss-scaled ones summed, maxima maxed, per-token means weighted
+    by tokens."""
     sums["loss_tokens"] += metrics["tokens"]
     for k, v in metrics.items():
-        if k not in ("tokens", "seqs"):
-            w = 1.0 if k in ("pg_loss", "kl_loss") else metrics["tokens"]
-            sums[f"m:{k}"] = sums.get(f"m:{k}", 0.0) + v * w
+        if k in ("tokens", "seqs"):
+            continue
+        if k in MAX_METRICS:
+            if metrics["tokens"] > 0:  # an empty (padding) micro-batch has no tokens to take a max over
+                sums[f"max:{k}"] = max(sums.get(f"max:{k}", v), v)
+            continue
+        w = 1.0 if k in ("pg_loss", "kl_loss") else metrics["tokens"]
+        sums[f"m:{k}"] = sums.get(f"m:{k}", 0.0) + v * w
 
 
 def combine_metrics(per_rank: list[dict[str, float]], wall_s: float, world_size: int) -> dict[str, float]:
     """Global step metrics from the ranks' sums (losses are already globally normalised per rank)."""
-    total = {k: sum(r.get(k, 0.0) for r in per_rank) for k in per_rank[0]}
+    total = {k: sum(r.get(k, 0.0) for r in per_rank) for k in per_rank[0] if not k.startswith("max:")}
     n = max(total["loss_tokens"], 1.0)
     out = {
         "loss": total["loss"] / world_size,
@@ -237,5 +247,7 @@ def combine_metrics(per_rank: list[dict[str, float]], wall_s: float, world_size:
         if k.startswith("m:"):
             name = k[2:]
             out[name] = v / world_size if name in ("pg_loss", "kl_loss") else v / n
+    for k in {k for r in per_rank for k in r if k.startswith("max:")}:
+        out[k[4:]] = max(r[k] for r in per_rank if k in r)
     out.setdefault("kl", 0.0)
     return out

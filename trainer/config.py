@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class _Section(BaseModel):
@@ -44,6 +44,9 @@ class AgentConfig(_Section):
     )
 
 
+_ONE_UPDATE = " No effect yet: with one update per batch the ratio is always 1 (see `loss`)."
+
+
 class AlgorithmConfig(_Section):
     advantage: str = Field(
         "grpo", description="Advantage estimator: grpo | dr_grpo | rloo | reinforce_pp_baseline."
@@ -51,10 +54,16 @@ class AlgorithmConfig(_Section):
     drop_zero_signal_groups: bool = Field(
         True, description="Skip groups whose rewards are all equal (DAPO dynamic sampling)."
     )
-    loss: str = Field("ppo_clip", description="Policy loss: ppo_clip | gspo | cispo.")
-    clip_low: float = Field(0.2, ge=0, description="PPO lower clip (1 - clip_low).")
+    loss: str = Field(
+        "ppo_clip",
+        description="Policy loss: ppo_clip | gspo | cispo. The trainer makes one update per batch, so the"
+        " new/old ratio is always 1 and clip_frac 0: the three give the same gradient (-A ∇log p, told apart"
+        " only by `agg`) and the clip settings have no effect; they matter only once a batch gets several"
+        " updates.",
+    )
+    clip_low: float = Field(0.2, ge=0, le=1, description="PPO lower clip (1 - clip_low)." + _ONE_UPDATE)
     clip_high: float = Field(
-        0.2, ge=0, description="PPO upper clip (1 + clip_high); 0.28 is DAPO's clip-higher."
+        0.2, ge=0, description="PPO upper clip (1 + clip_high); 0.28 is DAPO's clip-higher." + _ONE_UPDATE
     )
     agg: str = Field(
         "token-mean", description="Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean."
@@ -65,13 +74,47 @@ class AlgorithmConfig(_Section):
         description="Weight of the KL penalty to the frozen reference model (0 = no reference model).",
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
-    cispo_clip_low: float = Field(1.0, ge=0, description="CISPO: lower bound of the clipped IS weight is 1 - this (1.0 = none).")
-    cispo_clip_high: float = Field(0.28, ge=0, description="CISPO: upper bound of the clipped IS weight is 1 + this.")
+    cispo_clip_low: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="CISPO: lower bound of the clipped IS weight is 1 - this (1.0 = none)." + _ONE_UPDATE,
+    )
+    cispo_clip_high: float = Field(
+        0.28, ge=0, description="CISPO: upper bound of the clipped IS weight is 1 + this." + _ONE_UPDATE
+    )
     tis_cap: float | None = Field(
         None,
         gt=0,
         description="Truncated importance sampling cap against the engine's logprobs (None = off).",
     )
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, v: str) -> str:
+        from tracegym.trainer.advantages import ADVANTAGE_ESTIMATORS  # the registry itself (imports torch)
+        from tracegym.trainer.registry import lookup
+
+        lookup(ADVANTAGE_ESTIMATORS, v, "advantage estimator")
+        return v
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        from tracegym.trainer.losses import POLICY_LOSSES
+        from tracegym.trainer.registry import lookup
+
+        lookup(POLICY_LOSSES, v, "policy loss")
+        return v
+
+    @field_validator("agg")
+    @classmethod
+    def _known_agg(cls, v: str) -> str:
+        from tracegym.trainer.losses import AGGREGATIONS
+        from tracegym.trainer.registry import lookup
+
+        lookup(AGGREGATIONS, v, "loss aggregation")
+        return v
 
 
 class OptimConfig(_Section):
@@ -105,7 +148,7 @@ class TrainRecipe(_Section):
     )
     data: DataConfig
     agent: AgentConfig
-    group_size: int = Field(4, ge=2, description="Rollouts per task (the GRPO group).")
+    group_size: int = Field(4, description="Rollouts per task (the GRPO group); at least 2.")
     batch_size: int = Field(8, ge=1, description="Tasks per step (so batch_size × group_size rollouts).")
     steps: int = Field(60, ge=1, description="Training steps.")
     mode: Literal["sync", "async"] = Field(
@@ -155,14 +198,13 @@ class TrainRecipe(_Section):
             raise ValueError(f"agent.target must be 'module:function', got {v.target!r}")
         return v
 
-    @model_validator(mode="after")
-    def _check(self) -> TrainRecipe:
-        if self.group_size < 2:
-            raise ValueError(
-                f"group_size must be >= 2: every advantage estimator here ({self.algorithm.advantage!r} included) "
-                f"compares rollouts of the same task, got {self.group_size}"
-            )
-        return self
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, v: int) -> int:
+        # a field validator (not a model one) so this shows next to the recipe's other errors
+        if v < 2:
+            raise ValueError(f"must be >= 2: every advantage estimator compares rollouts of the same task, got {v}")
+        return v
 
     def resolve_paths(self, base: Path) -> TrainRecipe:
         """Make relative paths absolute against ``base`` and substitute ``{name}``/``{run_dir}``."""

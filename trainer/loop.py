@@ -9,6 +9,7 @@ async: runners never stop; the queue is kept ``2 × batch_size`` groups deep and
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import signal
 import sys
@@ -17,10 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tracegym.models import ModelNotFoundError
 from tracegym.trainer.config import RecipeError, TrainRecipe, load_recipe
-from tracegym.trainer.control import ControlClient, Group
+from tracegym.trainer.control import TERMINAL, ControlClient, Group
 from tracegym.trainer.infra import Infra, start_infra
 from tracegym.trainer.progress import MetricSinks, Progress, plot_rewards, read_metrics, summary_table
+from tracegym.trainer.step_batch import reward_stats
+from tracegym.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+EVAL_FRACTION_CAP = 5
+"""Without ``data.eval_path``, at most ``1/EVAL_FRACTION_CAP`` of the tasks are held out for evaluation."""
 
 
 def load_tasks(path: Path) -> list[dict[str, Any]]:
@@ -36,6 +45,42 @@ def load_tasks(path: Path) -> list[dict[str, Any]]:
     if not tasks:
         raise RecipeError(f"dataset is empty: {path}")
     return tasks
+
+
+def split_tasks(recipe: TrainRecipe) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(train_tasks, eval_tasks)``: ``data.eval_path`` as the held-out set, or else ``data.eval_size``
+    tasks split off ``data.path`` (at most a fifth of them; warned about when that cuts ``eval_size``).
+    An empty held-out set means no evaluation."""
+    train_tasks = load_tasks(recipe.data.path)
+    if recipe.data.eval_path:
+        return train_tasks, load_tasks(recipe.data.eval_path)
+    random.Random(recipe.data.shuffle_seed).shuffle(train_tasks)
+    want = recipe.data.eval_size
+    n = min(want, len(train_tasks) // EVAL_FRACTION_CAP)
+    if n < want:
+        log.warning(
+            "data.eval_size %d cut to %d: at most 1/%d of the %d tasks in %s are held out%s",
+            want, n, EVAL_FRACTION_CAP, len(train_tasks), recipe.data.path,
+            "; there will be no evaluation (set data.eval_path)" if n == 0 else "",
+        )  # fmt: skip
+    return train_tasks[n:], train_tasks[:n]
+
+
+def check_recipe(recipe: TrainRecipe) -> Any:
+    """What the recipe validator cannot see on its own, checked before any process starts: the workers'
+    ``TrainConfig`` is built here (a loss setting it rejects fails now, not after the engine, gateway
+    and runner are up) and the advantage estimator is looked up. Returns the ``TrainConfig``."""
+    from tracegym.trainer.advantages import ADVANTAGE_ESTIMATORS
+    from tracegym.trainer.registry import lookup
+    from tracegym.trainer.workers import TrainConfig  # torch imported only here
+
+    if recipe.steps < 1:
+        raise RecipeError(f"steps must be >= 1, got {recipe.steps}")
+    try:
+        lookup(ADVANTAGE_ESTIMATORS, recipe.algorithm.advantage, "advantage estimator")
+        return TrainConfig.from_recipe(recipe, total_steps=recipe.steps)
+    except ValueError as e:
+        raise RecipeError(f"invalid recipe: {e}") from None
 
 
 @dataclass
@@ -60,27 +105,49 @@ class LoopState:
         return st
 
 
+def _checkpoint_dir(recipe: TrainRecipe, *, resume: bool) -> Path:
+    """``run_dir/checkpoint`` (moved back from its aside copy if a save was interrupted); with ``resume``
+    it must hold a checkpoint."""
+    from tracegym.trainer.models import recover_dir
+
+    d = recover_dir(recipe.run_dir / "checkpoint")
+    if resume and not (d / "trainer_state.json").is_file():
+        raise RecipeError(f"--resume: no checkpoint in {d}")
+    return d
+
+
 class Trainer:
-    def __init__(self, recipe: TrainRecipe, infra: Infra, model_dir: Path, *, resume: bool) -> None:
+    def __init__(
+        self,
+        recipe: TrainRecipe,
+        infra: Infra,
+        model_dir: Path,
+        *,
+        resume: bool,
+        train_cfg: Any = None,
+        tasks: tuple[list[dict[str, Any]], list[dict[str, Any]]] | None = None,
+    ) -> None:
+        """``train_cfg`` (from ``check_recipe``) and ``tasks`` (from ``split_tasks``) are computed here
+        when not given. If construction fails, whatever was already started is closed again."""
         self.r = recipe
         self.infra = infra
         self.model_dir = model_dir
-        self.ctl = ControlClient(infra.gateway_url)
-        self.train_tasks = load_tasks(recipe.data.path)
-        if recipe.data.eval_path:
-            self.eval_tasks = load_tasks(recipe.data.eval_path)
-        else:
-            rng = random.Random(recipe.data.shuffle_seed)
-            rng.shuffle(self.train_tasks)
-            n = min(recipe.data.eval_size, len(self.train_tasks) // 5)
-            self.eval_tasks, self.train_tasks = self.train_tasks[:n], self.train_tasks[n:]
+        self.train_tasks, self.eval_tasks = tasks if tasks is not None else split_tasks(recipe)
         self.rng = random.Random(recipe.data.shuffle_seed)
         order = list(range(len(self.train_tasks)))
         self.rng.shuffle(order)
         self.state = LoopState(order=order)
-        self.ckpt_dir = recipe.run_dir / "checkpoint"
-        if resume and not (self.ckpt_dir / "trainer_state.json").is_file():
-            raise RecipeError(f"--resume: no checkpoint in {self.ckpt_dir}")
+        self.ckpt_dir = _checkpoint_dir(recipe, resume=resume)
+        train_cfg = train_cfg if train_cfg is not None else check_recipe(recipe)
+        self._eval_skip_noted = False
+        try:
+            self._start(recipe, infra, model_dir, train_cfg, resume=resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, recipe: TrainRecipe, infra: Infra, model_dir: Path, train_cfg: Any, *, resume: bool) -> None:
+        self.ctl = ControlClient(infra.gateway_url)
         self.sinks = MetricSinks(
             recipe.run_dir,
             to_store=lambda step, m: self.ctl.add_metrics(recipe.name, step, m),
@@ -89,12 +156,12 @@ class Trainer:
             run_name=recipe.name,
         )
         from tracegym.trainer.weight_sync import DiskWeightSync  # torch/ray imported only here
-        from tracegym.trainer.workers import TrainConfig, WorkerGroup
+        from tracegym.trainer.workers import WorkerGroup
 
         self.workers = WorkerGroup(
             model_dir,
             num_workers=recipe.workers,
-            train_cfg=TrainConfig.from_recipe(recipe, total_steps=recipe.steps),
+            train_cfg=train_cfg,
             use_ray=recipe.use_ray or recipe.workers > 1,
         )
         self.swap = DiskWeightSync(
@@ -125,7 +192,7 @@ class Trainer:
     def _gen_status(self, groups: list[Group]) -> None:
         self.infra.check_alive()
         total = sum(len(g.rollout_ids) for g in groups)
-        done = sum(1 for g in groups for s in g.statuses.values() if s in ("completed", "failed"))
+        done = sum(1 for g in groups for s in g.statuses.values() if s in TERMINAL)
         self.progress.status(f"step {self.state.step + 1}/{self.r.steps} | generating {done}/{total}")
 
     def collect_sync(self) -> tuple[list[Group], dict[str, float]]:
@@ -136,11 +203,18 @@ class Trainer:
         self.ctl.wait(groups, timeout=self.r.group_timeout_s, on_poll=self._gen_status)
         return groups, {"gen_s": time.monotonic() - t0}
 
-    def run_step(self, groups: list[Group], info: dict[str, float]) -> dict[str, float]:
+    def run_step(
+        self, groups: list[Group], info: dict[str, float], fetched: dict[str, Trajectory] | None = None
+    ) -> dict[str, float]:
+        """Train on ``groups``' completed rollouts. ``fetched`` holds trajectories already downloaded
+        (async mode fetches them to check staleness); without it they are fetched here."""
         from tracegym.trainer.step_batch import build_train_batch
 
         ids = [rid for g in groups for rid, s in g.statuses.items() if s == "completed"]
-        trajs = {t.rollout_id: t for t in self.ctl.trajectories(ids)}
+        if fetched is None:
+            trajs = {t.rollout_id: t for t in self.ctl.trajectories(ids)}
+        else:
+            trajs = {rid: fetched[rid] for rid in ids if rid in fetched}
         batch, stats = build_train_batch(
             [(g.group_id, [trajs[r] for r in g.rollout_ids if r in trajs]) for g in groups],
             advantage=self.r.algorithm.advantage,
@@ -163,14 +237,19 @@ class Trainer:
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
+        """Sample the held-out tasks and log their rewards; ``{}`` (nothing enqueued) without any."""
+        if not self.eval_tasks:
+            if not self._eval_skip_noted:
+                self.progress.message("no held-out tasks: evaluation is skipped for this run")
+                self._eval_skip_noted = True
+            return {}
         t0 = time.monotonic()
         groups = self.ctl.enqueue(self.eval_tasks, group_size=self.r.eval_samples, split="eval")
         self.ctl.wait(groups, timeout=self.r.group_timeout_s * 2, on_poll=self._gen_status)
         rewards = [v if v is not None else 0.0 for g in groups for v in g.rewards.values()]
         n = sum(len(g.rollout_ids) for g in groups)
         m = {
-            "reward_mean": sum(rewards) / max(1, len(rewards)),
-            "pass_rate": sum(1 for v in rewards if v > 0) / max(1, len(rewards)),
+            **reward_stats(rewards),
             "completed": float(len(rewards)),
             "failed": float(n - len(rewards)),
             "eval_s": time.monotonic() - t0,
@@ -193,11 +272,12 @@ class Trainer:
             self.evaluate()
         pending: list[Group] = []
         while self.state.step < self.r.steps:
+            fetched: dict[str, Trajectory] | None = None
             if self.r.mode == "sync":
                 groups, info = self.collect_sync()
             else:
-                groups, info, pending = self.collect_async(pending)
-            metrics = self.run_step(groups, info)
+                groups, info, pending, fetched = self.collect_async(pending)
+            metrics = self.run_step(groups, info, fetched)
             self.sinks.log(self.state.step, metrics)
             self.progress.step(self.state.step, metrics)
             if (
@@ -212,7 +292,11 @@ class Trainer:
         self.checkpoint()
         return self.finish(final, time.monotonic() - t_start)
 
-    def collect_async(self, pending: list[Group]) -> tuple[list[Group], dict[str, float], list[Group]]:
+    def collect_async(
+        self, pending: list[Group]
+    ) -> tuple[list[Group], dict[str, float], list[Group], dict[str, Trajectory]]:
+        """Up to ``batch_size`` finished groups within ``max_staleness``, the step info, the groups still
+        pending, and the trajectories fetched on the way (for ``run_step``)."""
         want = 2 * self.r.batch_size
         if len(pending) < want:
             pending += self.ctl.enqueue(
@@ -229,22 +313,27 @@ class Trainer:
             time.sleep(0.25)
         take = done[: self.r.batch_size]
         rest = [g for g in pending if g not in take]
-        fresh, stale = self._split_stale(take)
-        return fresh, {"gen_s": time.monotonic() - t0, "stale_groups": float(len(stale))}, rest
+        fresh, stale, fetched = self._split_stale(take)
+        info = {"gen_s": time.monotonic() - t0, "stale_groups": float(len(stale))}
+        return fresh, info, rest, fetched
 
-    def _split_stale(self, groups: list[Group]) -> tuple[list[Group], list[Group]]:
-        """Groups whose oldest weight version is within ``max_staleness`` of the current one."""
+    def _split_stale(
+        self, groups: list[Group]
+    ) -> tuple[list[Group], list[Group], dict[str, Trajectory]]:
+        """Groups whose oldest weight version is within ``max_staleness`` of the current one, the others,
+        and the completed trajectories of all of them by rollout id (fetched once, reused for training)."""
         ids = [rid for g in groups for rid, s in g.statuses.items() if s == "completed"]
+        fetched = {t.rollout_id: t for t in self.ctl.trajectories(ids)}
         oldest: dict[str, int] = {}
-        for t in self.ctl.trajectories(ids):
+        for rid, t in fetched.items():
             vs = [int(v) for s in t.sequences for v in s.weight_versions if str(v).isdigit()]
             if vs:
-                oldest[t.rollout_id] = min(vs)
+                oldest[rid] = min(vs)
         floor = self.state.weight_version - self.r.max_staleness
         fresh, stale = [], []
         for g in groups:
             (stale if any(oldest.get(r, floor) < floor for r in g.rollout_ids) else fresh).append(g)
-        return fresh, stale
+        return fresh, stale, fetched
 
     def finish(self, final: dict[str, float], wall_s: float) -> dict[str, Any]:
         rows = read_metrics(self.r.run_dir / "metrics.jsonl")
@@ -256,18 +345,30 @@ class Trainer:
         return {"final": final, "wall_s": wall_s, "run_dir": str(self.r.run_dir)}
 
     def close(self) -> None:
-        self.workers.shutdown()
-        self.swap.close()
-        self.ctl.close()
+        """Stop the workers and close the clients and metric sinks, in reverse order of creation. Best
+        effort (one failing does not keep the others open), safe on a partly built Trainer and twice."""
+        for attr, method in (("workers", "shutdown"), ("swap", "close"), ("sinks", "close"), ("ctl", "close")):
+            obj = self.__dict__.pop(attr, None)
+            if obj is None:
+                continue
+            try:
+                getattr(obj, method)()
+            except Exception:
+                log.warning("closing the trainer's %s failed", attr, exc_info=True)
 
 
 def train(recipe: TrainRecipe, *, recipe_dir: Path, resume: bool = False) -> dict[str, Any]:
+    """Run the recipe. Everything that can be checked without the services is checked before any of them
+    starts (``RecipeError``): the algorithm settings, the datasets, the checkpoint to resume from."""
     from tracegym.trainer.models import prepare_model
 
+    train_cfg = check_recipe(recipe)
+    tasks = split_tasks(recipe)
+    _checkpoint_dir(recipe, resume=resume)
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(recipe.model)
     with start_infra(recipe, model_dir, recipe_dir) as infra:
-        trainer = Trainer(recipe, infra, model_dir, resume=resume)
+        trainer = Trainer(recipe, infra, model_dir, resume=resume, train_cfg=train_cfg, tasks=tasks)
         try:
             return trainer.run()
         finally:
@@ -275,6 +376,8 @@ def train(recipe: TrainRecipe, *, recipe_dir: Path, resume: bool = False) -> dic
 
 
 def main(args: argparse.Namespace) -> int:
+    """``tracegym train``. A recipe, dataset, checkpoint or model that cannot be used is a one-line error
+    on stderr and exit code 2 (no traceback)."""
     try:
         recipe = load_recipe(args.recipe)
     except RecipeError as e:
@@ -284,5 +387,9 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.steps is not None:
         recipe = recipe.model_copy(update={"steps": args.steps})
-    train(recipe, recipe_dir=Path(args.recipe).resolve().parent, resume=args.resume)
+    try:
+        train(recipe, recipe_dir=Path(args.recipe).resolve().parent, resume=args.resume)
+    except (RecipeError, ModelNotFoundError) as e:
+        print(f"tracegym train: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -43,6 +43,7 @@ from tracegym.models import (
     ModelNotFoundError,
     cache_root,
     find_local_model_dir,
+    is_hub_id,
     model_cache_dir,
 )
 
@@ -194,7 +195,7 @@ def _smollm2_tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     prepared = model_cache_dir("smollm2-135m")
-    if all((prepared / f).is_file() for f in REQUIRED_FILES):
+    if _is_complete(prepared):
         return AutoTokenizer.from_pretrained(prepared)
     gguf = smollm2_gguf()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -255,6 +256,37 @@ def _is_complete(d: Path) -> bool:
     return all((d / f).is_file() for f in REQUIRED_FILES)
 
 
+def aside_dir(dest: Path) -> Path:
+    """Where ``replace_dir`` keeps the previous ``dest`` while the new one is renamed into place."""
+    return dest.parent / f".{dest.name}.old"
+
+
+def replace_dir(tmp: Path, dest: Path) -> Path:
+    """Make the finished directory ``tmp`` become ``dest`` so that a complete copy is always on disk: an
+    existing ``dest`` is renamed aside (``aside_dir``), ``tmp`` is renamed to ``dest``, then the old copy
+    is deleted. A crash in between leaves the previous copy in ``aside_dir(dest)``, which
+    ``recover_dir`` moves back. (Deleting ``dest`` first would lose the only copy on such a crash.)"""
+    tmp, dest = Path(tmp), Path(dest)
+    aside = aside_dir(dest)
+    if dest.exists():
+        shutil.rmtree(aside, ignore_errors=True)  # a leftover next to a complete dest is stale
+        os.rename(dest, aside)
+    # with dest absent, a leftover aside copy is the only old one: it stays until the new one is in place
+    os.rename(tmp, dest)
+    shutil.rmtree(aside, ignore_errors=True)
+    return dest
+
+
+def recover_dir(dest: Path) -> Path:
+    """``dest``, moved back from ``aside_dir(dest)`` first if a ``replace_dir`` was interrupted between
+    its two renames (``dest`` missing, the previous copy aside)."""
+    dest = Path(dest)
+    aside = aside_dir(dest)
+    if not dest.exists() and aside.is_dir():
+        os.rename(aside, dest)
+    return dest
+
+
 def build_atomically(dest: Path, build: Callable[[Path], None]) -> Path:
     """Run ``build(tmpdir)`` under a file lock and rename the result to ``dest``; a no-op if ``dest`` is
     already complete (checked again after taking the lock, so concurrent callers build once)."""
@@ -271,9 +303,7 @@ def build_atomically(dest: Path, build: Callable[[Path], None]) -> Path:
                 raise ModelNotFoundError(f"{dest.name}: the prepared model lacks {missing}")
             for p in [tmp, *tmp.iterdir()]:
                 p.chmod(0o755 if p.is_dir() else 0o644)
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.rename(tmp, dest)
+            replace_dir(tmp, dest)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -294,8 +324,8 @@ def prepare_model(name: str) -> Path:
         return build_atomically(model_cache_dir(name), _build_smollm2)
     if name in KNOWN_MODELS:
         raise ModelNotFoundError(f"no builder for known model {name!r}")
-    if "/" in name and not name.startswith((".", "/", "~")):
-        dest = cache_root() / "models" / name.replace("/", "--")
+    if is_hub_id(name):
+        dest = model_cache_dir(name)
         if _is_complete(dest):
             return dest
         if hub_reachable():

@@ -94,10 +94,14 @@ class MetricSinks:
             self.wandb.log(numeric, step=step)
 
     def close(self) -> None:
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
+        """Flush and close TensorBoard and W&B (safe to call twice)."""
+        tb, wb, self.tb, self.wandb = self.tb, self.wandb, None, None
+        try:
+            if tb:
+                tb.close()
+        finally:
+            if wb:
+                wb.finish()
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

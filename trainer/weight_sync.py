@@ -33,6 +33,8 @@ from typing import Any
 import httpx
 import torch
 
+from tracegym.trainer.models import replace_dir
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".index.json")
 
 
@@ -75,9 +77,7 @@ def write_weights_dir(tensors: dict[str, torch.Tensor], model_dir: Path, out_dir
                 shutil.copy2(f, tmp / f.name)
         if not (tmp / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json to copy next to the weights")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -351,10 +351,8 @@ def _init_on_rank(worker: Any, sync: NcclWeightSync, addr: str, port: int, world
 
 
 def _push_on_rank(worker: Any, sync: NcclWeightSync, version: str, dtype: str) -> SwapResult | None:
-    to = getattr(torch, dtype)
-    params = ((n, t.to(to)) for n, t in worker.full_params())
-    if worker.rank != 0:
-        for _ in params:
-            pass
+    params = worker.rank0_full_params()  # the other ranks only take part in the gathers
+    if params is None:
         return None
-    return sync.push(params, version, nccl_broadcast(worker.engine_pg))
+    to = getattr(torch, dtype)
+    return sync.push(((n, t.to(to)) for n, t in params), version, nccl_broadcast(worker.engine_pg))

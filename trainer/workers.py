@@ -16,13 +16,17 @@ Where this departs from PPO as written: one optimizer update per batch. The trai
 old policy's logprobs, but in the same forward that carries the gradient (``old = logprobs.detach()``,
 exact because the weights have not moved yet) rather than in a second, gradient-free pass; it is what
 TIS is weighted against and what the ``mismatch`` metric (mean |Δlogprob| between the engine and the
-trainer on sampled tokens) measures.
+trainer on sampled tokens) measures. A consequence: the importance ratio new/old is exactly 1 on every
+token, so ``ppo_clip``, ``gspo`` and ``cispo`` all reduce to the policy gradient ``-A ∇log p`` (they
+differ only through their aggregation), the clip settings have no effect and ``clip_frac`` is always 0.
+Clipping starts to matter only once a batch gets several updates (PPO epochs / mini-batches).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -55,9 +59,12 @@ from tracegym.trainer.fsdp import (
     save_sharded,
     shard_model,
 )
-from tracegym.trainer.losses import PolicyLossConfig, entropy_from_logits, policy_loss
+from tracegym.trainer.losses import PolicyLossConfig, entropy_from_logits, loss_scales, policy_loss
+from tracegym.trainer.models import recover_dir, replace_dir
 from tracegym.trainer.optim import OptimSettings, build_optimizer, set_lr
 from tracegym.trainer.weight_sync import write_weights_dir
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -229,17 +236,22 @@ class TrainWorker:
 
     def save_weights(self, out_dir: str, dtype: str | None) -> str | None:
         """Gather the full weights (collective) and, on rank 0, write a loadable model directory."""
-        params = iter_full_params(self.model)
-        if self.rank != 0:
-            for _ in params:
-                pass
+        params = self.rank0_full_params()
+        if params is None:
             return None
         to = getattr(torch, dtype) if dtype else None
         tensors = {k: (v.to(to) if to is not None else v) for k, v in params}
         return str(write_weights_dir(tensors, self.model_path, Path(out_dir)))
 
-    def full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter_full_params(self.model)
+    def rank0_full_params(self) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """On rank 0, the gathered full weights (lazily, one collective per parameter as it is consumed);
+        on the other ranks None, after taking part in every gather (their copies are discarded)."""
+        params = iter_full_params(self.model)
+        if self.rank == 0:
+            return params
+        for _ in params:
+            pass
+        return None
 
     def checksum(self) -> str:
         """sha256 over this rank's gathered full weights (names, shapes, fp32 bytes)."""
@@ -292,22 +304,26 @@ class WorkerGroup:
             raise ValueError(f"num_workers={num_workers} needs use_ray=True (in-process runs one worker)")
         self.cfg, self.world_size, self.use_ray, self._owns_ray = train_cfg, num_workers, use_ray, False
         self.model_path = Path(model_path)
-        if use_ray:
-            import ray
+        self._workers: list[Any] = []
+        try:
+            if use_ray:
+                import ray
 
-            if not ray.is_initialized():
-                ray.init(include_dashboard=False, log_to_driver=True)
-                self._owns_ray = True
-            gpus = 1 if (train_cfg.device or "").startswith("cuda") else 0
-            actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus)(TrainWorker)
-            self._workers: list[Any] = [
-                actor.remote(str(model_path), train_cfg, r, num_workers) for r in range(num_workers)
-            ]
-            addr, port = ray.get(self._workers[0].address.remote())
-        else:
-            self._workers = [TrainWorker(str(model_path), train_cfg, 0, 1)]
-            addr, port = "127.0.0.1", 0
-        self._call_all("setup", [(addr, port)] * num_workers)
+                if not ray.is_initialized():
+                    ray.init(include_dashboard=False, log_to_driver=True)
+                    self._owns_ray = True
+                gpus = 1 if (train_cfg.device or "").startswith("cuda") else 0
+                actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus)(TrainWorker)
+                for r in range(num_workers):  # appended one by one: a failure kills the ones made
+                    self._workers.append(actor.remote(str(model_path), train_cfg, r, num_workers))
+                addr, port = ray.get(self._workers[0].address.remote())
+            else:
+                self._workers = [TrainWorker(str(model_path), train_cfg, 0, 1)]
+                addr, port = "127.0.0.1", 0
+            self._call_all("setup", [(addr, port)] * num_workers)
+        except BaseException:
+            self.shutdown()  # the actors (and a Ray this group started) must not outlive a failed setup
+            raise
 
     def _call_all(self, method: str, args: list[tuple[Any, ...]]) -> list[Any]:
         if not self.use_ray:
@@ -329,10 +345,7 @@ class WorkerGroup:
         plan, n_micro = plan_step(
             [len(s.token_ids) for s in samples], self.world_size, self.cfg.micro_batch_tokens
         )
-        scales = {
-            "loss_scale_tokens": max(batch.num_loss_tokens, 1) / self.world_size,
-            "loss_scale_seqs": max(sum(1 for s in samples if s.num_loss_tokens), 1) / self.world_size,
-        }
+        scales = loss_scales(*(torch.tensor([s.loss_mask]) for s in samples), world_size=self.world_size)
         args = [([[samples[i] for i in g] for g in rank_plan], n_micro, scales) for rank_plan in plan]
         per_rank = self._call_all("train_step", args)
         return combine_metrics(per_rank, time.perf_counter() - t0, self.world_size)
@@ -347,7 +360,8 @@ class WorkerGroup:
 
     def save_checkpoint(self, d: Path, extra: dict[str, Any] | None = None) -> Path:
         """Model, optimizer, step and RNG of every rank, plus ``extra`` (e.g. the data position), into
-        ``d`` (replaced atomically: written to a sibling temp dir, then renamed)."""
+        ``d`` (written to a sibling temp dir, then swapped in with ``replace_dir``, so an interrupted save
+        never loses the previous checkpoint)."""
         d = Path(d)
         tmp = d.parent / f".{d.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -355,14 +369,12 @@ class WorkerGroup:
         self._same("save_checkpoint", str(tmp))
         state = {"step": self.step, "world_size": self.world_size, "extra": extra or {}}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        if d.exists():
-            shutil.rmtree(d)
-        os.rename(tmp, d)
-        return d
+        return replace_dir(tmp, d)
 
     def load_checkpoint(self, d: Path) -> dict[str, Any]:
-        """Restore a ``save_checkpoint`` directory; returns its ``extra`` (with ``step`` added)."""
-        d = Path(d)
+        """Restore a ``save_checkpoint`` directory; returns its ``extra`` (with ``step`` added). If a save
+        was interrupted between its renames, the previous checkpoint is moved back first."""
+        d = recover_dir(Path(d))
         if not (d / "trainer_state.json").is_file():
             raise FileNotFoundError(f"{d} is not a trainer checkpoint (no trainer_state.json)")
         self._same("load_checkpoint", str(d))
@@ -379,14 +391,33 @@ class WorkerGroup:
         return self._same("run", fn, *args)
 
     def shutdown(self) -> None:
-        if not self._workers:
-            return
-        self._same("close")
-        if self.use_ray:
-            import ray
+        """Close every rank, kill the actors and stop a Ray this group started; best effort (a dead or
+        half-set-up actor does not keep the others, or Ray, alive). Safe to call twice."""
+        workers, self._workers = self._workers, []
+        try:
+            if not self.use_ray:
+                for w in workers:
+                    _best_effort("closing the worker", w.close)
+            elif workers:
+                import ray
 
-            for w in self._workers:
-                ray.kill(w)
+                refs = [_best_effort(f"closing rank {r}", w.close.remote) for r, w in enumerate(workers)]
+                for r, (w, ref) in enumerate(zip(workers, refs, strict=True)):
+                    if ref is not None:
+                        _best_effort(f"closing rank {r}", ray.get, ref, timeout=60)
+                    _best_effort(f"killing rank {r}", ray.kill, w)
+        finally:
             if self._owns_ray:
+                import ray
+
+                self._owns_ray = False
                 ray.shutdown()
-        self._workers = []
+
+
+def _best_effort(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, or None (logged) if it raises: for cleanup that must go on."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        log.warning("%s failed: %s", what, e)
+        return None

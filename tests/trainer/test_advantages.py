@@ -10,7 +10,6 @@ import torch
 
 from tracegym.trainer.advantages import (
     ADVANTAGE_ESTIMATORS,
-    broadcast_to_tokens,
     compute_advantages,
     filter_zero_signal_groups,
 )
@@ -131,10 +130,3 @@ def test_filter_zero_signal_groups() -> None:
     for name in ADVANTAGE_ESTIMATORS:
         assert torch.all(compute_advantages(name, rewards, groups)[~keep] == 0), name
 
-
-def test_broadcast_to_tokens() -> None:
-    mask = torch.tensor([[0, 1, 1], [1, 0, 0]])
-    got = broadcast_to_tokens(torch.tensor([2.0, -1.0]), mask)
-    assert got.tolist() == [[0.0, 2.0, 2.0], [-1.0, 0.0, 0.0]]
-    with pytest.raises(ValueError, match="advantages"):
-        broadcast_to_tokens(torch.tensor([1.0]), mask)

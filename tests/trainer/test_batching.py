@@ -122,3 +122,19 @@ def test_combine_metrics_weights_ranks_by_tokens() -> None:
     assert out["mismatch"] == pytest.approx(0.01) and out["nll"] == pytest.approx(2.0)
     assert out["tokens"] == 80 and out["loss_tokens"] == 40 and out["tokens_per_s"] == 40
     assert out["grad_norm"] == 1.5 and out["kl"] == 0.0 and out["worker_cpu_s"] == 3.0
+
+
+def test_ratio_max_is_a_max_over_micro_batches_and_ranks() -> None:
+    from tracegym.trainer.batching import add_loss_metrics, combine_metrics
+
+    ranks = []
+    for micro in (((30.0, 1.5), (10.0, 1.1)), ((10.0, 2.5), (0.0, 0.0))):  # (tokens, ratio_max); (0, 0) = padding
+        sums = dict.fromkeys(
+            ("loss", "tokens", "loss_tokens", "mismatch", "entropy", "entropy_tokens", "nll"), 0.0
+        )
+        for tokens, rmax in micro:
+            add_loss_metrics(sums, {"tokens": tokens, "seqs": 1.0, "ratio_max": rmax, "ratio_mean": 1.0})
+        ranks.append(sums | {"grad_norm": 1.0, "lr": 1e-5, "skipped": 0.0, "cpu_s": 1.0})
+    assert ranks[0]["max:ratio_max"] == 1.5 and ranks[1]["max:ratio_max"] == 2.5
+    out = combine_metrics(ranks, wall_s=1.0, world_size=2)
+    assert out["ratio_max"] == 2.5 and out["ratio_mean"] == pytest.approx(1.0)

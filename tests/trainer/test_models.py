@@ -119,3 +119,62 @@ def test_models_cli(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) ->
     assert capsys.readouterr().out.strip() == str(tiny_model_dir)
     assert models.main(Namespace(action="path", name="no-such-model")) == 1
     assert "not prepared" in capsys.readouterr().err
+
+
+def test_replace_dir_never_leaves_no_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dest, aside = tmp_path / "ckpt", models.aside_dir(tmp_path / "ckpt")
+
+    def built(name: str, content: str) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "f").write_text(content)
+        return d
+
+    assert models.replace_dir(built(".new1", "one"), dest) == dest  # no previous copy
+    models.replace_dir(built(".new2", "two"), dest)  # replaces it
+    assert (dest / "f").read_text() == "two" and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+    # a crash right after the old copy was renamed aside: dest is missing, the old copy is aside
+    real_rename = models.os.rename
+
+    def crash_on_second(src: Path, dst: Path, calls: list[int] = []) -> None:  # noqa: B006
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("killed")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(models.os, "rename", crash_on_second)
+    with pytest.raises(OSError, match="killed"):
+        models.replace_dir(built(".new3", "three"), dest)
+    monkeypatch.setattr(models.os, "rename", real_rename)
+    assert not dest.exists() and (aside / "f").read_text() == "two"
+    # the next replacement keeps that only old copy until the new one is in place, then drops it
+    models.replace_dir(built(".new4", "four"), dest)
+    assert (dest / "f").read_text() == "four" and not aside.exists()
+
+    # or the interrupted state is recovered as it was
+    models.replace_dir(built(".new5", "five"), dest)
+    real_rename(dest, aside)
+    assert models.recover_dir(dest) == dest and (dest / "f").read_text() == "five" and not aside.exists()
+    assert models.recover_dir(dest) == dest  # nothing to do
+
+
+def test_hub_id_cache_dir_is_found_by_models_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tracegym models path org/name`` finds what ``prepare`` put in the cache (``org--name``)."""
+    from tracegym.models import find_local_model_dir, model_cache_dir
+
+    monkeypatch.setenv("TRACEGYM_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    d = model_cache_dir("some-org/some-model")
+    assert d == tmp_path / "models" / "some-org--some-model"
+    assert models.main(Namespace(action="path", name="some-org/some-model")) == 1
+    assert "not prepared" in capsys.readouterr().err
+    d.mkdir(parents=True)
+    for name in models.REQUIRED_FILES:
+        (d / name).write_text("{}")
+    assert find_local_model_dir("some-org/some-model") == d
+    assert models.prepare_model("some-org/some-model") == d  # the same directory, no hub needed
+    assert models.main(Namespace(action="path", name="some-org/some-model")) == 0
+    assert capsys.readouterr().out.strip() == str(d)

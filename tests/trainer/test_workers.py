@@ -209,3 +209,62 @@ def test_lr_schedule_warmup_and_decay() -> None:
     assert [lr_multiplier(i, lin) for i in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
     with pytest.raises(ValueError, match="needs total_steps"):
         OptimSettings(schedule="cosine")
+
+
+def test_failed_setup_shuts_the_group_down(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A worker whose setup fails is closed before the error surfaces."""
+    from tracegym.trainer import workers
+
+    def broken_setup(self: workers.TrainWorker, addr: str, port: int) -> None:
+        raise RuntimeError("no model here")
+
+    closed: list[int] = []
+    monkeypatch.setattr(workers.TrainWorker, "setup", broken_setup)
+    monkeypatch.setattr(workers.TrainWorker, "close", lambda self: closed.append(self.rank))
+    with pytest.raises(RuntimeError, match="no model here"):
+        WorkerGroup(tmp_path, num_workers=1, train_cfg=CFG, use_ray=False)
+    assert closed == [0]
+
+
+def test_shutdown_is_best_effort(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dead actor does not stop the others from being killed, nor a Ray the group started from stopping."""
+    import ray
+
+    from tracegym.trainer import workers
+
+    events: list[str] = []
+
+    class Method:
+        def __init__(self, name: str, dead: bool) -> None:
+            self.name, self.dead = name, dead
+
+        def remote(self) -> str:
+            if self.dead:
+                raise RuntimeError(f"{self.name} is dead")
+            return f"ref:{self.name}"
+
+    class Actor:
+        def __init__(self, name: str, dead: bool = False) -> None:
+            self.name, self.close = name, Method(name, dead)
+
+    def get(ref: str, timeout: float) -> None:
+        events.append(f"get {ref}")
+        if ref == "ref:a1":
+            raise RuntimeError("actor died while closing")
+
+    def kill(actor: Actor) -> None:
+        events.append(f"kill {actor.name}")
+        if actor.name == "a0":
+            raise RuntimeError("already gone")
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", kill)
+    monkeypatch.setattr(ray, "shutdown", lambda: events.append("ray shutdown"))
+    g = workers.WorkerGroup.__new__(workers.WorkerGroup)
+    g.use_ray, g._owns_ray = True, True
+    g._workers = [Actor("a0", dead=True), Actor("a1"), Actor("a2")]
+    g.shutdown()
+    g.shutdown()  # twice is harmless
+    assert events == [
+        "kill a0", "get ref:a1", "kill a1", "get ref:a2", "kill a2", "ray shutdown",
+    ]  # fmt: skip

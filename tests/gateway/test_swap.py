@@ -49,10 +49,9 @@ def _debug(fake: ManagedProcess) -> dict[str, Any]:
     return httpx.get(fake.base_url + "/debug").json()
 
 
-def _swap_during(srv: ServerThread, fake: ManagedProcess, call: Any, body: dict) -> tuple[Any, httpx.Response,
-                                                                                             int]:
-    """Run ``call()`` in a thread and swap while it generates; (call's result, swap response, index of
-    the call's first upstream request in the fake's log)."""
+def _during(fake: ManagedProcess, call: Any, action: Any) -> tuple[Any, Any, int]:
+    """Run ``call()`` in a thread and ``action(first)`` while it generates (``first``: the index of the
+    call's first upstream request in the fake's log); (call's result, action's result, first)."""
     first = len(_debug(fake)["requests"])
     out: dict[str, Any] = {}
     t = threading.Thread(target=lambda: out.setdefault("r", call()))
@@ -62,9 +61,16 @@ def _swap_during(srv: ServerThread, fake: ManagedProcess, call: Any, body: dict)
         assert time.monotonic() < deadline, "the call never reached the fake"
         time.sleep(0.01)
     time.sleep(0.25)  # ~8 of 30 tokens generated
-    swap = httpx.post(srv.url + "/api/weights/update", json=body, timeout=30)
+    done = action(first)
     t.join(timeout=30)
-    return out["r"], swap, first
+    return out["r"], done, first
+
+
+def _swap_during(srv: ServerThread, fake: ManagedProcess, call: Any, body: dict) -> tuple[Any, httpx.Response,
+                                                                                             int]:
+    """Swap while ``call()`` generates; (call's result, swap response, index of the call's first upstream
+    request in the fake's log)."""
+    return _during(fake, call, lambda _: httpx.post(srv.url + "/api/weights/update", json=body, timeout=30))
 
 
 def _check_continuation(fake: ManagedProcess, first: int, version_before: str, version_after: str) -> int:
@@ -145,18 +151,10 @@ def test_stream_is_one_uninterrupted_stream_across_a_swap(gw, fake, tmp_path: Pa
 
 def _abort_during(fake: ManagedProcess, call: Any) -> Any:
     """Run ``call()`` and abort its upstream request by rid (``/abort_request``, no weight swap)."""
-    first = len(_debug(fake)["requests"])
-    out: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", call()))
-    t.start()
-    deadline = time.monotonic() + 10
-    while len(_debug(fake)["requests"]) <= first:
-        assert time.monotonic() < deadline, "the call never reached the fake"
-        time.sleep(0.01)
-    time.sleep(0.25)  # some tokens generated
-    httpx.post(fake.base_url + "/abort_request", json={"rid": _debug(fake)["requests"][first]["rid"]})
-    t.join(timeout=30)
-    return out["r"]
+    def abort(first: int) -> None:
+        httpx.post(fake.base_url + "/abort_request", json={"rid": _debug(fake)["requests"][first]["rid"]})
+
+    return _during(fake, call, abort)[0]
 
 
 def test_an_abort_that_is_no_swap_fails_the_call_and_is_recorded_as_an_error(gw, fake) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -217,6 +218,7 @@ def main() -> None:
     finally:
         for pr in procs:
             pr.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     if not ok:
         raise SystemExit(1)
 

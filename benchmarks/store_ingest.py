@@ -20,6 +20,7 @@ import gc
 import os
 import random
 import secrets
+import shutil
 import tempfile
 import threading
 import time
@@ -193,7 +194,8 @@ def main() -> None:
           f"batches of {args.batch}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     wall_us, cpu_us = bench_record_call(recs)
     print(f"record() call: {wall_us:6.2f} µs wall, {cpu_us:6.2f} µs CPU (request path: enqueue only)")
-    urls = {"sqlite": f"sqlite:///{Path(tempfile.mkdtemp()) / 'bench.db'}"}
+    tmp = Path(tempfile.mkdtemp(prefix="tg-ingest-"))
+    urls = {"sqlite": f"sqlite:///{tmp / 'bench.db'}"}
     if not args.no_pg and (pg := _pg_url()):
         urls["postgresql"] = pg
     for name, url in urls.items():
@@ -214,6 +216,7 @@ def main() -> None:
             store.close()
             if name == "postgresql":
                 _drop_pg(url)
+    shutil.rmtree(tmp, ignore_errors=True)
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

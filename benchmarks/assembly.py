@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.machine import describe
 from tracegym.gateway.assembly import AssemblyOptions, assemble_rollout, check_invariants
 from tracegym.gateway.routes.trajectories import trajectory_json
 from tracegym.gateway.store import Store
@@ -186,6 +187,7 @@ def main() -> None:
             for store in stores.values():
                 store.close()
     (small, s_n), (big, b_n) = ((best[k], spans[k]) for k in sizes)
+    print(describe())
     print(
         f"CPU spans/s (best of {args.rounds}); time ratio at {b_n / s_n:.0f}x the spans (linear = {b_n / s_n:.0f}):"
     )

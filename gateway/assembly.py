@@ -12,7 +12,9 @@ ids, error status, agent not selected) are left out and listed in ``Trajectory.e
 retokenized and error calls back (flagged). ``check_invariants`` verifies the result.
 
 Token ids may be lists or ``array.array``s (one kind per rollout): arrays compare as machine integers,
-so a store that hands them out skips building an int object per prompt token; sequences are lists.
+so a store that hands them out skips building an int object per prompt token. Sequences are built as
+packed numpy arrays (ids, int8 mask, float64 logprobs with NaN for None) that the routes serialize
+directly; ``Sequence`` turns them into lists only when Python code reads them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
+from tracegym.gateway.assembly_arrays import ids_array, logprobs_array
 from tracegym.gateway.assembly_invariants import check_invariants
 from tracegym.gateway.assembly_options import AssemblyOptions
 from tracegym.gateway.assembly_rewards import discount_distances, discounted, step_rewards_by_call
@@ -50,8 +55,7 @@ def _node(pos: int, call: CallRecord, prompt: list[int], choice: ChoiceRecord) -
         raise ValueError(
             f"call {call.call_id} choice {choice.index}: {len(out)} output ids but {len(lps)} logprobs"
         )
-    logprobs: list[float | None] = [None] * len(out) if retok else lps  # type: ignore[assignment]
-    return Node(pos, call, choice, prompt, out, logprobs, retok)
+    return Node(pos, call, choice, prompt, out, None if retok else lps, retok)
 
 
 def _collect(
@@ -106,27 +110,29 @@ def _sequence(chain: Chain) -> Sequence:
     first, last = nodes[0], nodes[-1]
     # Every node continues the one before it (its parent), so the concatenated prompt suffixes and
     # outputs are exactly the last node's prompt + output; sampled spans are [len(prompt), end).
-    token_ids = last.prompt + last.output  # lists, or arrays (one type per rollout) from the store
-    loss_mask = [0] * last.end
-    logprobs: list[float | None] = [None] * last.end
+    # Packed arrays (see ``Sequence``): no Python object per token; retokenized spans keep NaN (None).
+    token_ids = np.concatenate((ids_array(last.prompt), ids_array(last.output)))
+    loss_mask = np.zeros(last.end, dtype=np.int8)
+    logprobs = np.full(last.end, np.nan)
     versions: list[str] = []
     for node in nodes:
         start = len(node.prompt)
         if node.end > start:
-            loss_mask[start : node.end] = [1] * (node.end - start)
-            logprobs[start : node.end] = node.logprobs
+            loss_mask[start : node.end] = 1
+            if not node.retokenized:
+                logprobs[start : node.end] = logprobs_array(node.logprobs)
         for v in _versions(node):
             if v not in versions:
                 versions.append(v)
     return Sequence(
-        token_ids=token_ids if isinstance(token_ids, list) else token_ids.tolist(),
-        loss_mask=loss_mask,
-        logprobs=logprobs,
-        agent_name=first.call.agent_name,
-        weight_versions=versions,
-        call_ids=[n.call.call_id for n in chain.nodes],
-        choice_indices=[n.choice.index for n in chain.nodes],
-        retokenized=any(n.retokenized for n in chain.nodes),
+        token_ids,
+        loss_mask,
+        logprobs,
+        first.call.agent_name,
+        versions,
+        [n.call.call_id for n in nodes],
+        [n.choice.index for n in nodes],
+        any(n.retokenized for n in nodes),
     )
 
 

@@ -14,6 +14,9 @@ import struct
 from array import array
 from typing import Any
 
+import numpy as np
+
+from tracegym.gateway.assembly_arrays import ids_array, logprobs_array
 from tracegym.types import CallRecord, ChoiceRecord, Sequence, Trajectory
 
 
@@ -122,25 +125,77 @@ class _Packed:
         return len(values) == end - start and packed.startswith(values.tobytes(), start * values.itemsize)
 
 
+def _trained(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]
+             ) -> list[tuple[CallRecord, ChoiceRecord]] | None:
+    """The (call, choice) of each entry of ``seq.call_ids`` / ``choice_indices``; None if one is unknown."""
+    out = []
+    for key in zip(seq.call_ids, seq.choice_indices, strict=True):
+        found = choices.get(key)
+        if found is None:
+            return None
+        out.append(found)
+    return out
+
+
+def _packed_ok(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]) -> bool:
+    """``_sequence_ok`` for a sequence holding numpy arrays (as assembled): the ids compared as bytes
+    (``memcmp`` of each call's prompt and output at their offsets), the mask and logprobs whole against
+    the ones the calls imply (NaN where None)."""
+    ids, mask, lps = seq.packed()
+    n = len(ids)
+    if not (isinstance(mask, np.ndarray) and isinstance(lps, np.ndarray)) or len(mask) != n or len(lps) != n:
+        return False
+    if mask.dtype.kind not in "iu" or lps.dtype != np.float64 or ids.dtype.kind not in "iu":
+        return False
+    raw = ids.tobytes()
+    size = ids.itemsize
+    expected_mask = np.zeros(n, dtype=np.int8)
+    expected_lps = np.full(n, np.nan)
+    trained = _trained(seq, choices)
+    if trained is None:
+        return False
+    prev_end = 0
+    for call, choice in trained:
+        engine = choice.output_logprobs
+        if call.prompt_ids is None or choice.output_ids is None or engine is None:
+            return False
+        prompt, out = ids_array(call.prompt_ids), ids_array(choice.output_ids)
+        start = len(prompt)
+        end = start + len(out)
+        if start < prev_end or end > n or len(engine) != end - start:
+            return False
+        if prompt.dtype == ids.dtype and out.dtype == ids.dtype:
+            if not (raw.startswith(prompt, 0) and raw.startswith(out, start * size)):
+                return False
+        elif not (np.array_equal(ids[:start], prompt) and np.array_equal(ids[start:end], out)):
+            return False
+        expected_mask[start:end] = 1
+        expected_lps[start:end] = logprobs_array(engine)
+        prev_end = end
+    return (prev_end == n and np.array_equal(mask, expected_mask)
+            and np.array_equal(lps, expected_lps, equal_nan=True))
+
+
 def _sequence_ok(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]) -> bool:
     """True when ``seq`` keeps every promise ``_check_sequence`` verifies, checked at C speed: ids slice
     by slice as bytes, then the whole mask and logprobs against the ones the calls imply. Never True for
     a sequence ``_check_sequence`` rejects; False defers to it for the message (and for retokenized
     sequences, which it alone checks)."""
-    n = len(seq.token_ids)
-    if len(seq.loss_mask) != n or len(seq.logprobs) != n or seq.retokenized:
+    if seq.retokenized or not seq.call_ids or len(seq.call_ids) != len(seq.choice_indices):
         return False
-    if not seq.call_ids or len(seq.call_ids) != len(seq.choice_indices):
+    if isinstance(seq.packed()[0], np.ndarray):
+        return _packed_ok(seq, choices)
+    n = len(seq.token_ids)
+    if len(seq.loss_mask) != n or len(seq.logprobs) != n:
         return False
     ids = _Packed(seq.token_ids)
     mask: list[int] = [0] * n
     lps: list[float | None] = [None] * n
+    trained = _trained(seq, choices)
+    if trained is None:
+        return False
     prev_end = 0
-    for key in zip(seq.call_ids, seq.choice_indices, strict=True):
-        found = choices.get(key)
-        if found is None:
-            return False
-        call, choice = found
+    for call, choice in trained:
         prompt, out = call.prompt_ids, choice.output_ids
         start = len(prompt) if prompt is not None else 0
         end = start + (len(out) if out is not None else 0)

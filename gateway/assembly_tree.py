@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 from tracegym.types import CallRecord, ChoiceRecord
 
@@ -25,8 +26,8 @@ class Node:
     choice: ChoiceRecord
     prompt: list[int]
     output: list[int]
-    logprobs: list[float | None]
-    """Aligned with ``output``; all None for retokenized calls."""
+    logprobs: Any
+    """The engine's, aligned with ``output`` (a list or an ``array``); None for retokenized calls."""
     retokenized: bool
     parent: Node | None = None
     """Only the parent is linked (no child lists): the tree has no reference cycles, so it is freed by

@@ -10,7 +10,9 @@ structured JSON in the store.
 
 Two ways to a store row, kept equal by the tests: ``call_record_to_row`` (a row dict, via the span
 attributes) and ``call_record_store_row`` (the encoded value tuple straight from the record, which the
-tracing exporter uses: no attribute dict round trip, JSON serialized once).
+tracing exporter uses: no attribute dict round trip, JSON serialized once). The latter is the hot path of
+the exporter's build thread, the bottleneck of span ingest: the common one-choice call gets its metadata in
+one pass, and ``CALL_ROW_TEXT`` tells ``SpanBatch.add`` which of its columns need checking.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import orjson
 
 from tracegym.gateway.store.codec import decode, decode_array, encode_floats, encode_ints
-from tracegym.gateway.store.span_rows import JSON_NULL, json_text
+from tracegym.gateway.store.span_rows import JSON_NULL, json_text, text_checks
 from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan
 
 PROMPT_IDS = "tracegym.prompt_token_ids"
@@ -55,55 +57,62 @@ def _concat(parts: list[list | None]) -> tuple[list, list[int | None]]:
     return flat, lens
 
 
-def _choices_meta(rec: CallRecord, id_lens: list, lp_lens: list) -> list[dict[str, Any]]:
-    return [
-        {
-            "index": c.index,
-            "finish_reason": c.finish_reason,
-            "message": c.message,
-            "weight_versions": [[w.version, w.start, w.end] for w in c.weight_versions],
-            "n_output_ids": id_lens[i],
-            "n_output_logprobs": lp_lens[i],
-        }
-        for i, c in enumerate(rec.choices)
-    ]
-
-
 def _outputs(choices: list[ChoiceRecord]) -> tuple[list, list, list, list, tuple[str, ...]]:
-    """Concatenated output ids and logprobs of the choices, their per-choice lengths, finish reasons."""
-    if len(choices) == 1:  # the common n=1 call: no copies
-        c = choices[0]
-        ids, lps = c.output_ids, c.output_logprobs
-        return (ids or [], lps or [], [None if ids is None else len(ids)],
-                [None if lps is None else len(lps)], (c.finish_reason or "",))
+    """Concatenated output ids and logprobs of the choices, their per-choice lengths, finish reasons (for
+    n != 1: ``_outputs_and_meta`` has the n=1 case)."""
     ids, id_lens = _concat([c.output_ids for c in choices])
     lps, lp_lens = _concat([c.output_logprobs for c in choices])
     return ids, lps, id_lens, lp_lens, tuple([c.finish_reason or "" for c in choices])
 
 
+def _choice_meta(c: ChoiceRecord, n_ids: int | None, n_lps: int | None) -> dict[str, Any]:
+    """One choice's entry of ``tracegym.choices`` (its ids and logprobs go to the token blobs)."""
+    return {
+        "index": c.index,
+        "finish_reason": c.finish_reason,
+        "message": c.message,
+        "weight_versions": [[w.version, w.start, w.end] for w in c.weight_versions],
+        "n_output_ids": n_ids,
+        "n_output_logprobs": n_lps,
+    }
+
+
+def _outputs_and_meta(choices: list[ChoiceRecord]) -> tuple[list, list, tuple[str, ...], list[dict[str, Any]]]:
+    """``_outputs`` (ids, logprobs, finish reasons) and the ``tracegym.choices`` metadata; the common n=1
+    call without the concatenation and length lists."""
+    if len(choices) != 1:
+        ids, lps, id_lens, lp_lens, finish = _outputs(choices)
+        return ids, lps, finish, [_choice_meta(c, id_lens[i], lp_lens[i]) for i, c in enumerate(choices)]
+    c = choices[0]
+    ids, lps = c.output_ids, c.output_logprobs
+    meta = _choice_meta(c, None if ids is None else len(ids), None if lps is None else len(lps))
+    return ids or [], lps or [], (c.finish_reason or "",), [meta]
+
+
 def stored_attributes(rec: CallRecord) -> tuple[dict[str, Any], list, list]:
     """The call's attributes as the store keeps them (``tracegym.request`` / ``tracegym.choices`` as
     structured JSON, no token arrays), and the concatenated output ids and logprobs of its choices.
-    On the span export hot path: plain statements, no per-key loops."""
-    ids, lps, id_lens, lp_lens, finish = _outputs(rec.choices)
+    On the span export hot path: plain statements, no per-key loops (the key order is the stored JSON's)."""
+    ids, lps, finish, meta = _outputs_and_meta(rec.choices)
     req = rec.request
+    call_id, upstream = rec.call_id, rec.upstream_kind
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": rec.operation,
-        "gen_ai.system": rec.upstream_kind,
+        "gen_ai.system": upstream,
         "gen_ai.request.model": rec.model,
         "gen_ai.response.model": rec.model,
-        "gen_ai.response.id": rec.call_id,
+        "gen_ai.response.id": call_id,
         "gen_ai.response.finish_reasons": finish,
         "gen_ai.usage.input_tokens": rec.input_tokens,
         "gen_ai.usage.output_tokens": rec.output_tokens,
-        CALL_ID: rec.call_id,
+        CALL_ID: call_id,
         ROLLOUT_ID: rec.rollout_id,
-        "tracegym.upstream_kind": rec.upstream_kind,
+        "tracegym.upstream_kind": upstream,
         "tracegym.drift": rec.drift,
         "tracegym.prefix_len": rec.prefix_len,
         "tracegym.retokenized": rec.retokenized,
         REQUEST: req,
-        CHOICES: _choices_meta(rec, id_lens, lp_lens),
+        CHOICES: meta,
     }
     get = req.get
     for key, attr in _SAMPLING:
@@ -121,12 +130,13 @@ def stored_attributes(rec: CallRecord) -> tuple[dict[str, Any], list, list]:
         attrs["tracegym.agent_name"] = rec.agent_name
     if rec.weight_version is not None:
         attrs["tracegym.weight_version"] = rec.weight_version
-    if rec.first_token_time_ns is not None:
-        attrs["tracegym.first_token_time_ns"] = rec.first_token_time_ns
+    first_token = rec.first_token_time_ns
+    if first_token is not None:
+        attrs["tracegym.first_token_time_ns"] = first_token
     if rec.error is not None:
         attrs["tracegym.error"] = rec.error
-    if rec.first_token_time_ns is not None and rec.start_time_ns:
-        attrs["tracegym.time_to_first_token_s"] = (rec.first_token_time_ns - rec.start_time_ns) / 1e9
+    if first_token is not None and rec.start_time_ns:
+        attrs["tracegym.time_to_first_token_s"] = (first_token - rec.start_time_ns) / 1e9
     return attrs, ids, lps
 
 
@@ -143,17 +153,26 @@ def call_record_attributes(rec: CallRecord) -> dict[str, Any]:
     return attrs
 
 
+CALL_ROW_TEXT = text_checks(("rollout_id", "call_id", "name", "status_message"))
+"""The string columns of a ``call_record_store_row`` tuple that ``SpanBatch.add`` must check: those taken
+from the record. The others are constants that fit, or the trace and span ids, which the caller generates
+(32 and 16 hex digits)."""
+
+
 def call_record_store_row(rec: CallRecord, *, trace_id: str, span_id: str, resource_json: str,
                           start_time_ns: int, end_time_ns: int) -> tuple:
     """The ``spans`` value tuple (``store.span_rows.COLUMNS`` order) of a call, straight from the record:
     what ``encode_row(call_record_to_row(rec, ...))`` gives, without the attribute round trip."""
     attrs, ids, lps = stored_attributes(rec)
-    error = rec.status == "error"
+    prompt = rec.prompt_ids
+    if rec.status == "error":
+        status, message = "error", rec.error
+    else:
+        status, message = "ok", None
     return (
-        trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", span_name(rec),
-        "client", start_time_ns, end_time_ns, "error" if error else "ok", rec.error if error else None,
-        json_text(attrs), resource_json, JSON_NULL,
-        None if rec.prompt_ids is None else encode_ints(rec.prompt_ids), encode_ints(ids), encode_floats(lps),
+        trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", f"{rec.operation} {rec.model}",
+        "client", start_time_ns, end_time_ns, status, message, json_text(attrs), resource_json, JSON_NULL,
+        None if prompt is None else encode_ints(prompt), encode_ints(ids), encode_floats(lps),
     )
 
 

@@ -4,7 +4,13 @@
 queue (a few µs). A build thread (``StoreSpanProcessor``) encodes each record's store row straight from the
 record (``gateway.spans.call_record_store_row``: no ``Tracer.start_span``, no per-attribute validation, no
 attribute -> row round trip) into ``SpanBatch``es, and a write thread inserts them (``StoreSpanExporter``
--> ``Store.insert_spans``, one transaction per batch) while the next batch is being encoded. When extra
+-> ``Store.insert_spans``, one transaction per batch, or per run of batches that waited for it) while the
+next batch is being encoded. The two threads share the GIL: encoding holds it, while the store's C work
+(SQLite) or server round trips (PostgreSQL) release it, and every time the write thread wants it back
+while the build thread encodes it waits up to the switch interval (5 ms). Hence few statements per
+transaction (``store.span_insert``) and, when the writer falls behind, several batches per transaction;
+the build thread, the bottleneck once that is done, checks only the columns a call row takes from its
+record (``spans.CALL_ROW_TEXT``) and draws both span ids with one ``getrandbits``. When extra
 span processors are attached (``add_span_processor``, e.g. an OTLP ``BatchSpanProcessor``), the build
 thread also makes each call a finished span directly (``CallSpan``, a ``ReadableSpan`` carrying its
 encoded row; its GenAI attributes are built on first access) and hands it to them. Spans started on
@@ -27,6 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -36,13 +43,13 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy.exc import DataError, IntegrityError
 
 from tracegym.gateway.spans import (
+    CALL_ROW_TEXT,
     attributes_to_row_fields,
     call_record_attributes,
     call_record_store_row,
@@ -58,6 +65,7 @@ _STATUS = {StatusCode.UNSET: "unset", StatusCode.OK: "ok", StatusCode.ERROR: "er
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _OK = Status(StatusCode.OK)
 SCOPE = "tracegym.gateway"
+_SPAN_ID_MASK = (1 << 64) - 1
 
 
 def readable_span_to_row(span: ReadableSpan, *, source: str = "gateway") -> dict:
@@ -203,7 +211,8 @@ class StoreSpanProcessor(SpanProcessor):
     store rows into a ``SpanBatch`` (making ``CallSpan``s for the ``extra_processors`` when there are any);
     the write thread inserts the batches. The database work of one batch (mostly outside the GIL: SQLite's
     C code, PostgreSQL's server) thus overlaps the Python encoding of the next; at most ``pipeline_depth``
-    encoded batches wait for the writer.
+    encoded batches wait for the writer, which then takes all of them into one transaction (``_write_loop``:
+    the per-transaction statements, and their GIL re-acquisitions, are paid once for all).
     """
 
     def __init__(self, exporter: StoreSpanExporter, metrics: SpanMetrics, *, max_queue_size: int = 50_000,
@@ -219,7 +228,7 @@ class StoreSpanProcessor(SpanProcessor):
         self.resource = resource if resource is not None else Resource.create({})
         self._resource_json = json_text(json_safe(dict(self.resource.attributes)))
         self._scope = InstrumentationScope(SCOPE)
-        self._ids = RandomIdGenerator()
+        self._rng = random.Random()  # ids of call spans (as RandomIdGenerator draws them)
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._batches: queue.Queue[SpanBatch | _Flush | None] = queue.Queue(maxsize=pipeline_depth)
         self._wake = threading.Event()
@@ -268,18 +277,25 @@ class StoreSpanProcessor(SpanProcessor):
             self._last_warning = now
 
     def _add_call(self, batch: SpanBatch, rec: CallRecord, start: int, end: int) -> None:
-        trace_id, span_id = self._ids.generate_trace_id(), self._ids.generate_span_id()
+        rng = self._rng
+        bits = rng.getrandbits(192)  # the trace id (high 128 bits) and the span id in one draw
+        while not bits >> 64 or not bits & _SPAN_ID_MASK:  # 0 is OpenTelemetry's invalid id
+            bits = rng.getrandbits(192)
         span = None
         try:
             if self.extra_processors:
-                span = CallSpan(rec, trace_id=trace_id, span_id=span_id, start_time=start, end_time=end,
-                                resource=self.resource, resource_json=self._resource_json, scope=self._scope)
+                span = CallSpan(rec, trace_id=bits >> 64, span_id=bits & _SPAN_ID_MASK, start_time=start,
+                                end_time=end, resource=self.resource, resource_json=self._resource_json,
+                                scope=self._scope)
                 row = span.store_row
             else:  # nobody else wants the span object: encode the row alone
-                row = call_record_store_row(rec, trace_id=f"{trace_id:032x}", span_id=f"{span_id:016x}",
+                ids = f"{bits:048x}"
+                row = call_record_store_row(rec, trace_id=ids[:32], span_id=ids[32:],
                                             resource_json=self._resource_json, start_time_ns=start,
                                             end_time_ns=end)
-            batch.add(row, rec.task_id, rec.weight_version)  # ValueError: e.g. an id too long to store
+            # ValueError: e.g. an id too long to store. Only the columns taken from the record are checked:
+            # the ids above are 32 and 16 hex digits, the other columns constants (CALL_ROW_TEXT).
+            batch.add(row, rec.task_id, rec.weight_version, CALL_ROW_TEXT)
         except (TypeError, ValueError):  # e.g. a request body orjson cannot serialize: count, log, go on
             log.exception("dropping the span of call %r: it cannot be encoded", getattr(rec, "call_id", None))
             self.metrics.dropped.labels("encode_error").inc()
@@ -293,12 +309,14 @@ class StoreSpanProcessor(SpanProcessor):
 
     def _build(self, items: list[QueueItem]) -> SpanBatch:
         batch = SpanBatch()
+        add_call, add_span = self._add_call, self.exporter.add_span
         for item in items:
             try:
                 if type(item) is tuple:
-                    self._add_call(batch, *item)
+                    rec, start, end = item
+                    add_call(batch, rec, start, end)
                 else:
-                    self.exporter.add_span(batch, item)  # type: ignore[arg-type]
+                    add_span(batch, item)  # type: ignore[arg-type]
             except Exception:  # a bug, or an extra processor failing: lose this span only, counted
                 log.exception("dropping a span: unexpected error while encoding it")
                 self.metrics.dropped.labels("internal_error").inc()
@@ -339,18 +357,32 @@ class StoreSpanProcessor(SpanProcessor):
 
     def _write_loop(self) -> None:
         while True:
-            batch = self._batches.get()
+            items = [self._batches.get()]
             try:
-                if batch is None:
+                if type(items[0]) is SpanBatch:
+                    # Behind the build thread: the batches already waiting go into the same transaction (one
+                    # rollouts statement and one commit for all of them; each statement costs this thread a
+                    # GIL re-acquisition, up to the 5 ms switch interval while the build thread runs). A
+                    # marker ends the merge; it is handled after the write, as if it came alone.
+                    while type(items[-1]) is SpanBatch:
+                        try:
+                            items.append(self._batches.get_nowait())
+                        except queue.Empty:
+                            break
+                    batch, *more = [b for b in items if type(b) is SpanBatch]
+                    for b in more:
+                        batch.extend(b)
+                    self.exporter.export_batch(batch)
+                tail = items[-1]
+                if tail is None:
                     return
-                if type(batch) is _Flush:
-                    batch.done.set()
-                else:
-                    self.exporter.export_batch(batch)  # type: ignore[arg-type]
+                if type(tail) is _Flush:
+                    tail.done.set()
             except Exception:  # export_batch never raises; keep the writer alive regardless
                 log.exception("span write thread: unexpected error (continuing)")
             finally:
-                self._batches.task_done()
+                for _ in items:
+                    self._batches.task_done()
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Wait until every span queued before this call is stored (or counted as dropped): True, or False

@@ -84,28 +84,121 @@ class CallRecord:
         return asdict(self)
 
 
-@dataclass(slots=True)
+class _ListField:
+    """A ``Sequence`` field kept as given (a list, or a packed array from the assembly) in the slot
+    ``_<name>`` and read as a list, made once on first read (``nan_is_none``: NaN values read as None)."""
+
+    def __init__(self, *, nan_is_none: bool = False) -> None:
+        self.nan_is_none = nan_is_none
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        v = getattr(obj, self.slot)
+        if type(v) is not list:
+            v = v.tolist()
+            if self.nan_is_none:
+                v = [None if x != x else x for x in v]
+            setattr(obj, self.slot, v)
+        return v
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.slot, value)
+
+
 class Sequence:
     """One training sequence: a prompt and the sampled tokens that extend it, masked.
 
     ``loss_mask[i] == 1`` exactly on tokens the policy sampled; ``logprobs[i]`` is the engine's logprob
     there and None elsewhere.
+
+    ``token_ids``, ``loss_mask`` and ``logprobs`` read as lists. The gateway's assembly builds them as
+    packed arrays (numpy: integer ids, int8 mask, float64 logprobs with NaN for None) and the route
+    serializes those directly (``packed()``); a list is made from them only on first Python access, once.
+    A NaN logprob reads as None (JSON has no NaN either: it is written as null).
+
+    ``call_ids``: the calls whose sampled tokens this sequence trains (mask 1), in order;
+    ``choice_indices``: the choice of each (a call with ``n`` > 1 appears once per choice); ``reward``: the
+    rollout reward, possibly discounted per sequence; ``step_rewards``: rewards emitted during this
+    sequence's calls, ``{"value", "name", "call_index"}``.
     """
 
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float | None]
-    agent_name: str | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    call_ids: list[str] = field(default_factory=list)
-    """The calls whose sampled tokens this sequence trains (mask 1), in order."""
-    choice_indices: list[int] = field(default_factory=list)
-    """The choice of each entry of ``call_ids`` (a call with ``n`` > 1 appears once per choice)."""
-    retokenized: bool = False
-    reward: float | None = None
-    """This sequence's reward (the rollout reward, possibly discounted per sequence)."""
-    step_rewards: list[dict[str, Any]] = field(default_factory=list)
-    """Rewards emitted during this sequence's calls: ``{"value", "name", "call_index"}``."""
+    __slots__ = (
+        "_logprobs",
+        "_loss_mask",
+        "_token_ids",
+        "agent_name",
+        "call_ids",
+        "choice_indices",
+        "retokenized",
+        "reward",
+        "step_rewards",
+        "weight_versions",
+    )
+    FIELDS = ("token_ids", "loss_mask", "logprobs", "agent_name", "weight_versions", "call_ids",
+              "choice_indices", "retokenized", "reward", "step_rewards")
+    """The fields, in JSON order (``to_dict``, ``Trajectory.from_dict``)."""
+
+    def __init__(
+        self,
+        token_ids: Any,
+        loss_mask: Any,
+        logprobs: Any,
+        agent_name: str | None = None,
+        weight_versions: list[str] | None = None,
+        call_ids: list[str] | None = None,
+        choice_indices: list[int] | None = None,
+        retokenized: bool = False,
+        reward: float | None = None,
+        step_rewards: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self._token_ids = token_ids
+        self._loss_mask = loss_mask
+        self._logprobs = logprobs
+        self.agent_name = agent_name
+        self.weight_versions: list[str] = [] if weight_versions is None else weight_versions
+        self.call_ids: list[str] = [] if call_ids is None else call_ids
+        self.choice_indices: list[int] = [] if choice_indices is None else choice_indices
+        self.retokenized = retokenized
+        self.reward = reward
+        self.step_rewards: list[dict[str, Any]] = [] if step_rewards is None else step_rewards
+
+    token_ids: list[int] = _ListField()  # type: ignore[assignment]
+    loss_mask: list[int] = _ListField()  # type: ignore[assignment]
+    logprobs: list[float | None] = _ListField(nan_is_none=True)  # type: ignore[assignment]
+
+    def packed(self) -> tuple[Any, Any, Any]:
+        """``(token_ids, loss_mask, logprobs)`` as they are held: numpy arrays from the assembly, lists
+        otherwise (do not modify them)."""
+        return self._token_ids, self._loss_mask, self._logprobs
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict of plain Python values (lists), in ``FIELDS`` order."""
+        return {name: _plain(getattr(self, name)) for name in self.FIELDS}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in self.FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS)
+        return f"Sequence({inner})"
+
+
+def _plain(value: Any) -> Any:
+    """Lists and dicts copied (as ``dataclasses.asdict`` does), other values as they are."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 @dataclass(slots=True)
@@ -121,11 +214,13 @@ class Trajectory:
     ``agent`` (not matched by ``agent_match``), ``no_ids``, ``error`` or ``retokenized``."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = {name: _plain(getattr(self, name)) for name in self.__dataclass_fields__}
+        d["sequences"] = [s.to_dict() for s in self.sequences]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
-        fields = Sequence.__dataclass_fields__
+        fields = Sequence.FIELDS
         seqs = [Sequence(**{k: v for k, v in s.items() if k in fields}) for s in d.get("sequences", [])]
         return cls(
             rollout_id=d["rollout_id"],

@@ -25,7 +25,7 @@ from tracegym.gateway.assembly import AssemblyOptions, assemble_rollout, check_i
 from tracegym.gateway.errors import OpenAIError, bad_request
 from tracegym.gateway.routes.query import Query, query, unknown_params
 from tracegym.gateway.store.rollouts import check_status
-from tracegym.types import Trajectory
+from tracegym.types import Sequence, Trajectory
 
 router = APIRouter(tags=["trajectories"])
 
@@ -80,9 +80,17 @@ def _assemble(store: Any, rollout: dict, calls: list, opts: AssemblyOptions, che
     return traj
 
 
+def _sequence_fields(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, Sequence):
+        packed = dict(zip(Sequence.FIELDS[:3], obj.packed(), strict=True))  # token_ids, loss_mask, logprobs
+        return {name: packed[name] if name in packed else getattr(obj, name) for name in Sequence.FIELDS}
+    raise TypeError(f"cannot serialize {type(obj).__name__}")
+
+
 def trajectory_json(traj: Trajectory) -> bytes:
-    """The trajectory as JSON (orjson serialises the dataclasses directly, without copying lists)."""
-    return orjson.dumps(traj)
+    """The trajectory as JSON. orjson writes the dataclasses and a sequence's packed numpy arrays directly
+    (no Python list per token; a NaN logprob is written as null, as None would be)."""
+    return orjson.dumps(traj, default=_sequence_fields, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 @router.get("/api/rollouts/{rollout_id}/trajectory")

@@ -5,7 +5,7 @@ only when every value survives the round trip exactly (engine logprobs usually a
 decoding always returns the very floats that were encoded.
 
 Encoding is on the span export hot path: ``struct`` with a cached compiled format per (tag, length) packs
-a list about twice as fast as ``array(...).tobytes()`` and writes the tag byte in the same pass.
+a list about twice as fast as ``array(...).tobytes()``.
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ _BIG_ENDIAN = sys.byteorder == "big"
 
 @lru_cache(maxsize=1024)
 def _packer(tag: str, n: int) -> struct.Struct:
-    """``<c{n}{tag}``: the tag byte, then ``n`` little-endian values."""
-    return struct.Struct(f"<c{n}{tag}")
+    """``<{n}{tag}``: ``n`` little-endian values (the tag byte is prepended by the caller: passing it as a
+    pack argument costs more than the concatenation)."""
+    return struct.Struct(f"<{n}{tag}")
 
 
 def encode_ints(xs: Sequence[int]) -> bytes:
     try:
-        return _packer("i", len(xs)).pack(b"i", *xs)
+        return b"i" + _packer("i", len(xs)).pack(*xs)
     except struct.error:  # out of int32 range (or not integers: then int64 packing raises too)
         try:
-            return _packer("q", len(xs)).pack(b"q", *xs)
+            return b"q" + _packer("q", len(xs)).pack(*xs)
         except struct.error as e:
             raise ValueError(f"token ids must be integers within int64: {e}") from None
 
@@ -39,14 +40,14 @@ def encode_floats(xs: Sequence[float]) -> bytes:
     n = len(xs)
     f32 = _packer("f", n)
     try:
-        blob = f32.pack(b"f", *xs)
+        blob = f32.pack(*xs)
     except OverflowError:  # beyond float32 range: float64 keeps it exactly
-        blob = b""
+        blob = None
     except struct.error as e:
         raise ValueError(f"logprobs must be numbers: {e}") from None
-    if blob and f32.unpack(blob)[1:] == tuple(xs):
-        return blob
-    return _packer("d", n).pack(b"d", *xs)
+    if blob is not None and f32.unpack(blob) == tuple(xs):
+        return b"f" + blob
+    return b"d" + _packer("d", n).pack(*xs)
 
 
 _TAGS = {ord(t): t for t in "iqfd"}
@@ -54,16 +55,19 @@ _TAGS = {ord(t): t for t in "iqfd"}
 
 def decode_array(blob: bytes | memoryview | None) -> array | None:
     """The blob's values as an ``array`` of its own type (``i``/``q``/``f``/``d``), with no Python object per
-    value; None stays None. What the assembly read path hands out: arrays compare and slice at C speed."""
+    value; None stays None. What the assembly read path hands out: arrays compare and slice at C speed.
+    (``array(tag, blob[1:])`` is one C call: ~4x cheaper than an empty array plus ``frombytes`` of a
+    memoryview slice, and this runs three times per span read.)"""
     if blob is None:
         return None
     if not blob:
         raise ValueError("empty token array blob (missing type tag)")
+    if type(blob) is not bytes:  # array(tag, x) iterates anything but bytes/bytearray value by value
+        blob = bytes(blob)
     tag = _TAGS.get(blob[0])
     if tag is None:
         raise ValueError(f"unknown token array tag {chr(blob[0])!r} (expected one of i, q, f, d)")
-    arr = array(tag)
-    arr.frombytes(memoryview(blob)[1:])
+    arr = array(tag, blob[1:])  # ValueError when the length is not a multiple of the item size
     if _BIG_ENDIAN:
         arr.byteswap()
     return arr

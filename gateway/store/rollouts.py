@@ -1,7 +1,9 @@
-"""Rollout rows: creation of ad-hoc rollouts, lookup and paginated listing."""
+"""Rollout rows: creation of ad-hoc rollouts and their weight versions (multi-row statements, see
+``span_insert``), lookup and paginated listing."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -11,6 +13,7 @@ import sqlalchemy as sa
 from tracegym.gateway.store.db import Database, decode_cursor, encode_cursor, iso, now, to_epoch
 from tracegym.gateway.store.schema import check_id_length
 from tracegym.gateway.store.schema import rollouts as R
+from tracegym.gateway.store.span_insert import execute_values, rows_per_statement
 
 PAGE_IDS = 500
 """Ids per ``IN (...)`` query (well under SQLite's bound-parameter limit)."""
@@ -46,22 +49,98 @@ def check_status(status: str | None) -> None:
         raise ValueError(f"unknown rollout status {status!r}; expected one of {', '.join(STATUSES)}")
 
 
-def ensure_rollouts(db: Database, conn: sa.Connection, items: Iterable[tuple[str, str | None]],
-                    status: str = "adhoc") -> None:
-    """Insert missing rollouts ``(rollout_id, task_id)`` with ``status``; existing ones are untouched."""
-    check_status(status)
-    items = dict(items)
-    for rid, tid in items.items():
+_ROLLOUT_INSERT_HEAD = ("INSERT INTO rollouts (rollout_id, task_id, group_id, status, attempt, max_attempts, "
+                        "reward_final, created_at) VALUES ")
+_ROLLOUT_INSERT_TAIL = " ON CONFLICT (rollout_id) DO NOTHING"
+_VERSIONS_HEAD = "WITH v (rid, wv) AS (VALUES "
+_VERSIONS_TAIL = {
+    "sqlite": (") UPDATE rollouts SET weight_version = v.wv FROM v "
+               "WHERE rollouts.rollout_id = v.rid AND rollouts.weight_version IS NOT v.wv"),
+    "postgresql": (") UPDATE rollouts SET weight_version = v.wv FROM v "
+                   "WHERE rollouts.rollout_id = v.rid AND rollouts.weight_version IS DISTINCT FROM v.wv"),
+}
+_MARK = {"sqlite": "?", "postgresql": "%s"}
+_SQLITE_UPDATE_FROM = (3, 33, 0)
+
+
+def _checked_ids(items: Iterable[tuple[str, str | None]]) -> dict[str, str | None]:
+    """``{rollout_id: task_id}``; ValueError for an id longer than its column."""
+    out = dict(items)
+    for rid, tid in out.items():
         check_id_length("rollout_id", rid)
         check_id_length("task_id", tid)
+    return out
+
+
+def _execute_values(db: Database, conn: sa.Connection, head: str, tail: str, rows: list[tuple]) -> None:
+    """``span_insert.execute_values`` of ``rows`` on the transaction's DBAPI connection, as many rows per
+    statement as the dialect's parameter limit allows; nothing for no rows."""
+    if not rows:
+        return
+    raw = conn.connection.dbapi_connection
+    cur = raw.cursor()
+    try:
+        execute_values(cur, head, tail, rows, rows_per_statement(raw, db.dialect, len(rows[0])),
+                       _MARK[db.dialect])
+    finally:
+        cur.close()
+
+
+def ensure_rollouts(db: Database, conn: sa.Connection, items: Iterable[tuple[str, str | None]],
+                    status: str = "adhoc") -> None:
+    """Insert missing rollouts ``(rollout_id, task_id)`` with ``status``; existing ones are untouched.
+
+    One multi-row ``INSERT ... ON CONFLICT (rollout_id) DO NOTHING`` on the transaction's DBAPI connection
+    (``span_insert.execute_values``; one per ``rows_per_statement`` rollouts): a span batch names hundreds
+    of rollouts, and a row-by-row insert would wait for the GIL once per row on SQLite (see ``span_insert``),
+    while SQLAlchemy's own multi-VALUES rendering costs ~0.15 ms of Python per row. The values are those
+    SQLAlchemy would bind (``reward_final`` False is 0 on SQLite, a boolean on PostgreSQL)."""
+    check_status(status)
+    items = _checked_ids(items)
     t = now()
-    rows = [
-        {"rollout_id": rid, "task_id": tid, "group_id": None, "status": status, "attempt": 1,
-         "max_attempts": 1, "reward_final": False, "created_at": t}
-        for rid, tid in items.items()
-    ]
-    if rows:
-        conn.execute(db.insert(R).on_conflict_do_nothing(index_elements=["rollout_id"]), rows)
+    rows = [(rid, tid, None, status, 1, 1, False, t) for rid, tid in items.items()]
+    _execute_values(db, conn, _ROLLOUT_INSERT_HEAD, _ROLLOUT_INSERT_TAIL, rows)
+
+
+def update_weight_versions(db: Database, conn: sa.Connection, versions: dict[str, str]) -> None:
+    """Set ``weight_version`` of the given rollouts (``{rollout_id: version}``) where it differs, in one
+    ``WITH v (rid, wv) AS (VALUES ...) UPDATE rollouts ... FROM v`` (one per ``rows_per_statement``
+    rollouts; see ``ensure_rollouts`` for why not row by row). SQLite before 3.33 has no ``UPDATE ...
+    FROM``: there the rows are updated one by one."""
+    if db.dialect == "sqlite" and sqlite3.sqlite_version_info < _SQLITE_UPDATE_FROM:
+        conn.connection.dbapi_connection.executemany(
+            "UPDATE rollouts SET weight_version = ? WHERE rollout_id = ? AND weight_version IS NOT ?",
+            [(wv, rid, wv) for rid, wv in versions.items()])
+        return
+    _execute_values(db, conn, _VERSIONS_HEAD, _VERSIONS_TAIL[db.dialect], list(versions.items()))
+
+
+_SPAN_ROLLOUTS_HEAD = ("INSERT INTO rollouts (rollout_id, task_id, group_id, status, attempt, max_attempts, "
+                       "reward_final, created_at, weight_version) VALUES ")
+_SPAN_ROLLOUTS_TAIL = (" ON CONFLICT (rollout_id) DO UPDATE SET weight_version = excluded.weight_version "
+                       "WHERE excluded.weight_version IS NOT NULL "
+                       "AND rollouts.weight_version IS NOT excluded.weight_version")
+
+
+def write_span_rollouts(db: Database, conn: sa.Connection, tasks: dict[str, str | None],
+                        versions: dict[str, str]) -> None:
+    """The rollouts side of a span batch: create the missing rollouts ``{rollout_id: task_id}`` (status
+    ``adhoc``) and set ``weight_version`` to ``versions[rollout_id]`` where it differs; what
+    ``ensure_rollouts`` then ``update_weight_versions`` do.
+
+    SQLite: in one statement, a multi-row upsert (a new rollout is inserted with its version, an existing one
+    updated where the version differs): each statement the write thread runs costs it a GIL re-acquisition,
+    up to 5 ms while the tracing build thread runs (see ``span_insert``). PostgreSQL: the two statements,
+    because an upsert's ``DO UPDATE`` would lock every conflicting rollout row until commit (queue claims
+    skip locked rows), while ``UPDATE ... WHERE ... IS DISTINCT FROM`` locks only the rows it changes."""
+    if db.dialect != "sqlite":
+        ensure_rollouts(db, conn, tasks.items())
+        update_weight_versions(db, conn, versions)
+        return
+    t = now()
+    get = versions.get
+    rows = [(rid, tid, None, "adhoc", 1, 1, False, t, get(rid)) for rid, tid in _checked_ids(tasks.items()).items()]
+    _execute_values(db, conn, _SPAN_ROLLOUTS_HEAD, _SPAN_ROLLOUTS_TAIL, rows)
 
 
 class RolloutsMixin:

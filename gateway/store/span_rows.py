@@ -3,7 +3,9 @@
 
 ``SpanBatch`` is what ``Store.insert_spans`` writes in one transaction. It is built either from row dicts
 (``SpanBatch.from_dicts``: OTLP ingest, tools, tests) or row by row by the tracing exporter, which encodes
-a gateway call straight from its ``CallRecord`` (``add``), without a dict or an attribute round trip.
+a gateway call straight from its ``CallRecord`` (``add``, checking only the columns taken from the record),
+without a dict or an attribute round trip; the exporter's write thread joins batches that waited for it
+(``extend``). ``json_text`` tries orjson's default mode first (~40% faster than with ``OPT_NON_STR_KEYS``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,13 @@ _TASK_MAX, _VERSION_MAX = max_length(R.c.task_id), max_length(R.c.weight_version
 
 
 def json_text(obj: Any) -> str:
-    """The stored text of a JSON column value (the same serializer as the engine's ``json_serializer``)."""
-    return orjson.dumps(obj, option=_JSON_OPTS).decode()
+    """The stored text of a JSON column value (the same serializer as the engine's ``json_serializer``).
+    orjson's default mode first (~40% faster than with ``OPT_NON_STR_KEYS``, same text for string keys);
+    it raises TypeError for a non-string key or a numpy value, which the options then serialize."""
+    try:
+        return orjson.dumps(obj).decode()
+    except TypeError:
+        return orjson.dumps(obj, option=_JSON_OPTS).decode()
 
 
 def encode_row(row: dict[str, Any], i: int = 0) -> tuple:
@@ -51,11 +58,18 @@ def encode_row(row: dict[str, Any], i: int = 0) -> tuple:
     )
 
 
-def check_row(row: tuple) -> None:
+def text_checks(columns: Iterable[str]) -> tuple[tuple[int, str, int | None, bool], ...]:
+    """The ``check_row`` entries of the named string columns (for ``SpanBatch.add``'s ``text``)."""
+    names = set(columns)
+    return tuple(t for t in _TEXT if t[1] in names)
+
+
+def check_row(row: tuple, text: tuple[tuple[int, str, int | None, bool], ...] = _TEXT) -> None:
     """ValueError unless PostgreSQL takes every value of the tuple as SQLite does: strings within their
     column's length and without NUL, no None in a NOT NULL string column, span times within BIGINT. (One
-    bad value would otherwise fail the insert of the whole batch on PostgreSQL only.)"""
-    for pos, name, limit, nullable in _TEXT:
+    bad value would otherwise fail the insert of the whole batch on PostgreSQL only.) ``text``: the string
+    columns to check (default: all of them)."""
+    for pos, name, limit, nullable in text:
         v = row[pos]
         if v is None:
             if not nullable:
@@ -91,24 +105,45 @@ class SpanBatch:
                 raise ValueError(f"span row {i} ({r.get('name')!r}): {e}") from None
         return batch
 
-    def add(self, row: tuple, task_id: str | None, weight_version: str | None) -> None:
+    def add(self, row: tuple, task_id: str | None, weight_version: str | None,
+            text: tuple[tuple[int, str, int | None, bool], ...] = _TEXT) -> None:
         """Append a value tuple (``COLUMNS`` order) with the task id and weight version its span names;
-        ValueError (and nothing appended) when a value does not fit its column (``check_row``)."""
-        check_row(row)
+        ValueError (and nothing appended) when a value does not fit its column (``check_row``). ``text``
+        names the string columns to check (``text_checks``): all of them unless the caller built the others
+        from values known to fit (the tracing exporter's call rows, see ``spans.CALL_ROW_TEXT``)."""
+        check_row(row, text)
         rid = row[ROLLOUT_POS]
         if rid is not None:
-            check_text("tracegym.task_id", task_id, _TASK_MAX)
-            check_text("tracegym.weight_version", weight_version, _VERSION_MAX)
+            # check_text's conditions, inlined for the common valid case (the tracing exporter's hot path)
+            if task_id is not None and (type(task_id) is not str or len(task_id) > _TASK_MAX
+                                        or "\x00" in task_id):
+                check_text("tracegym.task_id", task_id, _TASK_MAX)
+            if weight_version is not None and (type(weight_version) is not str
+                                               or len(weight_version) > _VERSION_MAX
+                                               or "\x00" in weight_version):
+                check_text("tracegym.weight_version", weight_version, _VERSION_MAX)
         self.rows.append(row)
         if rid is None:
             return
-        if self.tasks.get(rid) is None:
-            self.tasks[rid] = task_id
+        tasks = self.tasks
+        if tasks.get(rid) is None:
+            tasks[rid] = task_id
         if weight_version is not None:
             seen = self.versions.get(rid)
             end = row[END_POS]
             if seen is None or seen[0] <= end:
                 self.versions[rid] = (end, weight_version)
+
+    def extend(self, other: SpanBatch) -> None:
+        """Append ``other``'s rows (``other`` is not changed): inserting this batch then stores what inserting
+        it and then ``other`` would. A rollout keeps the task id of the batch that names it first, and takes
+        the weight version of ``other``'s latest span where ``other`` has one (a later batch wins, as a later
+        insert does, whatever its spans' end times)."""
+        self.rows.extend(other.rows)
+        tasks = self.tasks
+        for rid, task_id in other.tasks.items():
+            tasks.setdefault(rid, task_id)
+        self.versions.update(other.versions)
 
     def __len__(self) -> int:
         return len(self.rows)

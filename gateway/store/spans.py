@@ -1,4 +1,4 @@
-"""Span rows: batched insert (encoded ``SpanBatch`` -> SQLite executemany / PostgreSQL COPY, see
+"""Span rows: batched insert (encoded ``SpanBatch`` -> SQLite multi-row INSERT / PostgreSQL COPY, see
 ``span_insert``) and decoded reads, CallRecords included."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import sqlalchemy as sa
 from tracegym.gateway.spans import call_record_to_row, decoded_choices
 from tracegym.gateway.store.codec import decode
 from tracegym.gateway.store.db import Database
-from tracegym.gateway.store.rollouts import ensure_rollouts
-from tracegym.gateway.store.schema import rollouts as R
+from tracegym.gateway.store.rollouts import write_span_rollouts
 from tracegym.gateway.store.schema import spans as S
 from tracegym.gateway.store.span_insert import insert_postgresql, insert_sqlite
 from tracegym.gateway.store.span_reads import read_call_records
@@ -38,21 +37,17 @@ class SpansMixin:
         batch = rows if isinstance(rows, SpanBatch) else SpanBatch.from_dicts(rows)
         if not batch.rows:
             return 0
+        # Every statement below is one multi-row statement (one for a whole tracing batch), so the SQLite write
+        # thread waits for the GIL a handful of times per batch, not once per row (see span_insert): BEGIN
+        # IMMEDIATE, the rollouts upsert, the spans INSERT, COMMIT.
         with self.db.write() as conn:
-            ensure_rollouts(self.db, conn, batch.tasks.items())
+            write_span_rollouts(self.db, conn, batch.tasks,
+                                {rid: wv for rid, (_, wv) in batch.versions.items()})
             raw = conn.connection.dbapi_connection
             if self.db.dialect == "postgresql":
                 inserted = insert_postgresql(raw, batch.rows)
             else:
                 inserted = insert_sqlite(raw, batch.rows)
-            if batch.versions:
-                conn.execute(
-                    sa.update(R)
-                    .where(R.c.rollout_id == sa.bindparam("rid"))
-                    .where(R.c.weight_version.is_distinct_from(sa.bindparam("wv")))
-                    .values(weight_version=sa.bindparam("wv")),
-                    [{"rid": rid, "wv": wv} for rid, (_, wv) in batch.versions.items()],
-                )
         return inserted
 
     def insert_call_records(self, recs: list[CallRecord]) -> int:

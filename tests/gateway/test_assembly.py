@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from array import array
 from datetime import UTC, datetime
 
+import numpy as np
+import orjson
 import pytest
 
 from tracegym.gateway.assembly import AssemblyOptions, assemble, assemble_rollout, check_invariants
-from tracegym.gateway.assembly_invariants import InvariantError
+from tracegym.gateway.assembly_invariants import InvariantError, _sequence_ok
 from tracegym.gateway.assembly_rewards import time_ns
-from tracegym.types import CallRecord, ChoiceRecord, Trajectory, WeightVersionSpan
+from tracegym.gateway.routes.trajectories import trajectory_json
+from tracegym.types import CallRecord, ChoiceRecord, Sequence, Trajectory, WeightVersionSpan
 
 
 def call(
@@ -267,3 +271,61 @@ def test_event_times_in_every_stored_form():
     c1, c2 = call("c1", [1], [10], t=ns - 10), call("c2", [5], [20], t=ns + 10)
     traj = run([c1, c2], events=[{"value": 1.0, "name": None, "created_at": "2025-01-31T12:00:00.5Z"}])
     assert traj.sequences[0].step_rewards == [{"value": 1.0, "name": None, "call_index": 0}]
+
+
+def _packed_calls(arrays: bool) -> list[CallRecord]:
+    calls = [call("c1", [1, 2, 3], [10, 11]), call("c2", [1, 2, 3, 10, 11, 50, 51], [12])]
+    if arrays:  # as the store's assembly read hands them out
+        for c in calls:
+            c.prompt_ids = array("i", c.prompt_ids)
+            for ch in c.choices:
+                ch.output_ids = array("i", ch.output_ids)
+                ch.output_logprobs = array("d", ch.output_logprobs)
+    return calls
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_assembled_sequences_are_packed_and_read_as_lists(arrays):
+    calls = _packed_calls(arrays)
+    traj = assemble(calls, rollout_id="r1")
+    seq = traj.sequences[0]
+    ids, mask, lps = seq.packed()
+    assert all(isinstance(a, np.ndarray) for a in (ids, mask, lps))
+    assert ids.dtype == (np.int32 if arrays else np.int64) and mask.dtype == np.int8
+    assert _sequence_ok(seq, {(c.call_id, 0): (c, c.choices[0]) for c in calls})  # the fast check passes
+    check_invariants(calls, traj)
+    assert trajectory_json(traj) == orjson.dumps(traj.to_dict())  # arrays serialize as the lists would
+    assert seq.token_ids == [1, 2, 3, 10, 11, 50, 51, 12]
+    assert seq.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
+    assert seq.logprobs == [None, None, None, -0.51, -0.511, None, None, -0.512]
+    assert type(seq.token_ids) is list and seq.packed()[0] is seq.token_ids  # made once, then kept
+    listed = Sequence(**{k: v for k, v in seq.to_dict().items()})
+    assert listed == seq and Trajectory.from_dict(orjson.loads(trajectory_json(traj))) == traj
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda ids, mask, lps: mask.__setitem__(0, 1), "prompt/tool token"),
+        (lambda ids, mask, lps: mask.__setitem__(3, 0), "sampled token"),
+        (lambda ids, mask, lps: lps.__setitem__(3, np.nan), "logprobs differ"),
+        (lambda ids, mask, lps: lps.__setitem__(3, lps[3] + 1e-9), "logprobs differ"),
+        (lambda ids, mask, lps: lps.__setitem__(5, -1.0), "mask 0 but logprob"),
+        (lambda ids, mask, lps: ids.__setitem__(5, 999), "prompt ids"),
+        (lambda ids, mask, lps: ids.__setitem__(3, 999), "output ids"),
+    ],
+)
+@pytest.mark.parametrize("arrays", [False, True])
+def test_check_invariants_verifies_packed_sequences(corrupt, message, arrays):
+    calls = _packed_calls(arrays)
+    traj = assemble(calls, rollout_id="r1")
+    corrupt(*traj.sequences[0].packed())  # the arrays themselves, before any list is made
+    with pytest.raises(InvariantError, match=message):
+        check_invariants(calls, traj)
+
+
+def test_packed_logprob_nan_reads_as_none_and_is_written_as_null():
+    seq = Sequence(np.array([5, 6]), np.array([0, 1], dtype=np.int8), np.array([np.nan, -0.25]))
+    assert seq.logprobs == [None, -0.25] and seq.to_dict()["logprobs"] == [None, -0.25]
+    traj = Trajectory("r", None, None, [seq])
+    assert orjson.loads(trajectory_json(traj))["sequences"][0]["logprobs"] == [None, -0.25]

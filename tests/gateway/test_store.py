@@ -14,7 +14,7 @@ from alembic.migration import MigrationContext
 from tests.gateway.test_store_helpers import make_record
 from tracegym.gateway.spans import call_record_to_row
 from tracegym.gateway.store import Store
-from tracegym.gateway.store.codec import decode, encode_floats, encode_ints
+from tracegym.gateway.store.codec import decode, decode_array, encode_floats, encode_ints
 from tracegym.gateway.store.migrate import head_revision
 from tracegym.gateway.store.migrate import main as db_main
 from tracegym.gateway.store.schema import metadata
@@ -34,6 +34,18 @@ def test_codec_is_bit_exact():
     assert decode(None) is None and decode(encode_ints([])) == []
     with pytest.raises(ValueError, match="tag"):
         decode(b"z\x00")
+
+
+def test_decode_array_takes_any_bytes_like_and_rejects_misaligned_blobs():
+    blob = encode_ints([7, 2**31 - 1, 0])
+    for form in (blob, bytearray(blob), memoryview(blob)):  # memoryview: psycopg's bytea may come as one
+        arr = decode_array(form)
+        assert arr.typecode == "i" and arr.tolist() == [7, 2**31 - 1, 0]
+    assert decode_array(encode_floats([-0.5])).typecode == "f"
+    with pytest.raises(ValueError, match="multiple of item size"):
+        decode_array(blob[:-1])
+    with pytest.raises(ValueError, match="missing type tag"):
+        decode_array(b"")
 
 
 def test_migrations_match_schema_and_cli(store_url: str, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -26,3 +27,18 @@ def gw() -> Iterator[FakeGateway]:
     with FakeGateway() as g:
         tg.configure(gateway_url=g.url, retry_attempts=5, retry_backoff=0.02, retry_max_backoff=0.1)
         yield g
+
+
+@pytest.fixture
+def late_gw() -> Iterator[FakeGateway]:
+    """A fake gateway that starts listening only 0.4 s after the test begins (the SDK is configured to
+    retry for longer than that), stopped afterwards."""
+    late = FakeGateway()
+    tg.configure(gateway_url=late.url, retry_attempts=8, retry_backoff=0.1, retry_max_backoff=0.4)
+    timer = threading.Timer(0.4, late.start)
+    timer.start()
+    try:
+        yield late
+    finally:
+        timer.join()
+        late.stop()

@@ -3,14 +3,12 @@ configuration helper, and the CLI's hint when an extra is not installed."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import httpx
 import pytest
 
 import tracegym as tg
-from tests.procs import free_port
 from tests.sdk.fake_gateway import FakeGateway
 from tracegym import cli
 from tracegym.client import GatewayClient, _retry_reason, config_for, current_config
@@ -40,18 +38,10 @@ def test_enqueue_is_not_repeated_after_a_lost_answer(gw: FakeGateway) -> None:
     assert len(gw.state.queue) == 2  # one group, not a second one from a retry
 
 
-def test_enqueue_is_retried_while_the_gateway_is_not_up() -> None:
-    late = FakeGateway(port=free_port())
-    tg.configure(gateway_url=late.url, retry_attempts=8, retry_backoff=0.1, retry_max_backoff=0.4)
-    timer = threading.Timer(0.4, late.start)
-    timer.start()
-    try:
-        with GatewayClient() as client:
-            out = client.enqueue_tasks([{"input": 1}])
-        assert len(out) == 1 and len(late.state.queue) == 1
-    finally:
-        timer.join()
-        late.stop()
+def test_enqueue_is_retried_while_the_gateway_is_not_up(late_gw: FakeGateway) -> None:
+    with GatewayClient() as client:
+        out = client.enqueue_tasks([{"input": 1}])
+    assert len(out) == 1 and len(late_gw.state.queue) == 1
 
 
 def test_idempotent_posts_are_still_retried(gw: FakeGateway) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -61,18 +60,10 @@ def test_retry_after_refused_requests(gw: FakeGateway) -> None:
     assert [e["value"] for e in gw.state.rewards("r3")] == [0.25]
 
 
-def test_gateway_started_late() -> None:
-    late = FakeGateway(port=free_port())
-    tg.configure(gateway_url=late.url, retry_attempts=8, retry_backoff=0.1, retry_max_backoff=0.4)
-    timer = threading.Timer(0.4, late.start)
-    timer.start()
-    try:
-        with tg.rollout(rollout_id="late"):
-            tg.reward(2.0)
-        assert [e["value"] for e in late.state.rewards("late")] == [2.0]
-    finally:
-        timer.join()
-        late.stop()
+def test_gateway_started_late(late_gw: FakeGateway) -> None:
+    with tg.rollout(rollout_id="late"):
+        tg.reward(2.0)
+    assert [e["value"] for e in late_gw.state.rewards("late")] == [2.0]
 
 
 def test_unreachable_gateway_raises_after_bounded_retries() -> None:

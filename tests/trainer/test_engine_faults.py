@@ -77,16 +77,16 @@ def test_failing_prefill_answers_with_an_error(client: TestClient, monkeypatch: 
     assert client.get("/health").status_code == 200
 
 
+def _long(rid: str) -> dict:
+    """A request that generates until it is aborted (by ``rid``)."""
+    return {"input_ids": PROMPT, "rid": rid, "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True}}
+
+
 def test_failing_merge_fails_only_the_joining_request(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    long = {
-        "input_ids": PROMPT,
-        "rid": "long",
-        "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True},
-    }
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        running = pool.submit(_post, client, long)
+        running = pool.submit(_post, client, _long("long"))
         _wait_running(client)
         with monkeypatch.context() as m:
             m.setattr(kvb, "merge", _boom)
@@ -120,13 +120,8 @@ def test_failing_weight_swap_keeps_serving_with_old_weights(
         assert r.status_code == 400 and r.json()["success"] is False
         assert "injected failure" in r.json()["message"]
         # Applied by the model loop once the in-flight request is done.
-        long = {
-            "input_ids": PROMPT,
-            "rid": "w-long",
-            "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True},
-        }
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            running = pool.submit(_post, client, long)
+            running = pool.submit(_post, client, _long("w-long"))
             _wait_running(client)
             swap = pool.submit(_update, client, tiny_model_dir, "v-bad2")
             time.sleep(0.3)

@@ -5,10 +5,10 @@ process's CPU time (SQLite runs in-process), so a busy shared machine does not d
 Rollouts are realistic multi-turn agent runs: a ~300-token system+task prompt, then ``--turns`` calls,
 each emitting ~100 sampled tokens followed by a ~150-token tool result, so prompts grow to ~2,000 ids.
 They are inserted with ``Store.insert_call_records`` (the store's own span rows), then read back the way
-``GET /api/trajectories`` reads them: a page of rollouts (``list_rollouts``), their CallRecords in one
-query (``arrays=True, with_request=False``: ``array`` token ids, request body not parsed), their reward
-events in one query (``list_events_many``), ``assemble_rollout``, ``check_invariants``, and the JSON
-line the route sends. ``fetch (lists+request)`` is the default read (list ids, full request), for
+``GET /api/trajectories`` reads them: a page of rollouts (``list_rollouts``), their reward events in one
+query (``list_events_many``), their spans in one query (``iter_call_records_many``, ``arrays=True,
+with_request=False``: ``array`` token ids, request body not parsed, one rollout's CallRecords built at a
+time), ``assemble_rollout``, ``check_invariants``, and the JSON line the route sends. ``fetch (lists+request)`` is the default read (list ids, full request), for
 comparison. Like the gateway (``tracegym serve`` freezes its startup heap), the measurement runs with
 the objects alive before it frozen (``gc.freeze``).
 
@@ -113,12 +113,11 @@ def run(store: Store, *, events: bool, check: bool, json: bool = False) -> tuple
     t0 = time.process_time()
     for rows in pages(store):
         ids = [r["rollout_id"] for r in rows]
-        calls = store.list_call_records_many(ids, arrays=True, with_request=False)
         evs = store.list_events_many(ids, kind="reward") if events else {}
-        for row in rows:
-            cs = calls[row["rollout_id"]]
+        calls = store.iter_call_records_many(ids, arrays=True, with_request=False)
+        for row, (rid, cs) in zip(rows, calls, strict=True):
             a = time.process_time()
-            traj = assemble_rollout(row, cs, evs.get(row["rollout_id"], []), opts)
+            traj = assemble_rollout(row, cs, evs.get(rid, []), opts)
             if check:
                 check_invariants(cs, traj)
             t_asm += time.process_time() - a

@@ -21,6 +21,7 @@ import os
 import random
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -29,6 +30,7 @@ from array import array
 from pathlib import Path
 
 from benchmarks.machine import describe
+from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S
 from tracegym.gateway.spans import call_record_to_row
 from tracegym.gateway.store import Store
 from tracegym.gateway.store.span_rows import SpanBatch
@@ -186,7 +188,12 @@ def main() -> None:
     ap.add_argument("--spans", type=int, default=20_000)
     ap.add_argument("--batch", type=int, default=2_000, help="max_batch_size of the recorder")
     ap.add_argument("--no-pg", action="store_true")
+    ap.add_argument("--switch-interval", type=float, default=SERVE_SWITCH_INTERVAL_S,
+                    help="sys.setswitchinterval, seconds (default: what `tracegym serve` sets; Python's is 0.005)")
     args = ap.parse_args()
+    # As in `tracegym serve` (GatewaySettings.switch_interval_s): the write thread gets the GIL back sooner
+    # after each SQLite statement.
+    sys.setswitchinterval(args.switch_interval)
     recs = make_records(args.spans)
     recs2 = make_records(args.spans, seed=1)
     # The premade input (2 x 20,000 records, ~10 containers each) is frozen out of the collector's
@@ -195,7 +202,8 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     print(f"{args.spans} spans, 300 prompt ids, 100 output ids + logprobs, 4 messages each; "
-          f"batches of {args.batch}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"batches of {args.batch}; switch interval {sys.getswitchinterval() * 1e3:g} ms; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     wall_us, cpu_us = bench_record_call(recs)
     print(f"record() call: {wall_us:6.2f} µs wall, {cpu_us:6.2f} µs CPU (request path: enqueue only)")
     tmp = Path(tempfile.mkdtemp(prefix="tg-ingest-"))

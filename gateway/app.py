@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -119,6 +120,7 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
     app.state.metrics_registry = registry
     session = make_session(settings.upstream_max_connections)
     upstream = store = recorder = None
+    switch_interval = sys.getswitchinterval()
     try:
         upstream = build_upstream(settings, session)
         await upstream.start()
@@ -141,6 +143,8 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         )
         log.info("gateway serving %r via %s upstream %s (tokenizer %s, store %s)", served, upstream.kind,
                  settings.upstream_url, tdir, settings.store_url)
+        if settings.switch_interval_s is not None:
+            sys.setswitchinterval(settings.switch_interval_s)
         if settings.freeze_gc:
             gc.collect()
             gc.freeze()
@@ -153,6 +157,7 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
             await asyncio.to_thread(recorder.shutdown)
         if store is not None:
             await asyncio.to_thread(store.close)
+        sys.setswitchinterval(switch_interval)
 
 
 def _swap_coordinator(upstream: Upstream, store: Any) -> Any:

@@ -19,6 +19,7 @@ directly; ``Sequence`` turns them into lists only when Python code reads them.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from typing import Any
 
@@ -99,10 +100,31 @@ def _linear_chain(per_call: list[list[Node]]) -> Chain | None:
     return Chain(nodes)
 
 
-def _versions(node: Node) -> list[str]:
-    if node.choice.weight_versions:
-        return [w.version for w in node.choice.weight_versions]
-    return [node.call.weight_version] if node.call.weight_version is not None else []
+def _versions(nodes: list[Node]) -> list[str]:
+    """The weight versions that sampled the nodes' outputs, in first-seen order."""
+    versions: list[str] = []
+    for node in nodes:
+        spans = node.choice.weight_versions
+        for v in [w.version for w in spans] if spans else [node.call.weight_version]:
+            if v is not None and v not in versions:
+                versions.append(v)
+    return versions
+
+
+def _packed_logprobs(nodes: list[Node], end: int, mask: np.ndarray) -> np.ndarray:
+    """float64 logprobs aligned to the sequence, NaN where none (context, retokenized output)."""
+    logprobs = np.full(end, np.nan)
+    lps = [n.logprobs for n in nodes]
+    types = {type(a) is array and a.typecode for a in lps}
+    if len(types) == 1 and types.pop():
+        # The store's case: the sampled positions, in order, are the nodes' outputs one after another, so
+        # one joined buffer fills them all (no numpy call per node).
+        logprobs[mask.view(np.bool_)] = np.frombuffer(b"".join(lps), dtype=lps[0].typecode)
+        return logprobs
+    for node in nodes:
+        if not node.retokenized and node.end > len(node.prompt):
+            logprobs[len(node.prompt) : node.end] = logprobs_array(node.logprobs)
+    return logprobs
 
 
 def _sequence(chain: Chain) -> Sequence:
@@ -111,25 +133,23 @@ def _sequence(chain: Chain) -> Sequence:
     # Every node continues the one before it (its parent), so the concatenated prompt suffixes and
     # outputs are exactly the last node's prompt + output; sampled spans are [len(prompt), end).
     # Packed arrays (see ``Sequence``): no Python object per token; retokenized spans keep NaN (None).
-    token_ids = np.concatenate((ids_array(last.prompt), ids_array(last.output)))
-    loss_mask = np.zeros(last.end, dtype=np.int8)
-    logprobs = np.full(last.end, np.nan)
-    versions: list[str] = []
+    # (bytearray: writable arrays, as concatenate makes)
+    if type(last.prompt) is array and type(last.output) is array and last.prompt.typecode == last.output.typecode:
+        token_ids = np.frombuffer(bytearray().join((last.prompt, last.output)), dtype=last.prompt.typecode)
+    else:
+        token_ids = np.concatenate((ids_array(last.prompt), ids_array(last.output)))
+    mask = bytearray(last.end)
     for node in nodes:
         start = len(node.prompt)
         if node.end > start:
-            loss_mask[start : node.end] = 1
-            if not node.retokenized:
-                logprobs[start : node.end] = logprobs_array(node.logprobs)
-        for v in _versions(node):
-            if v not in versions:
-                versions.append(v)
+            mask[start : node.end] = b"\x01" * (node.end - start)
+    loss_mask = np.frombuffer(mask, dtype=np.int8)
     return Sequence(
         token_ids,
         loss_mask,
-        logprobs,
+        _packed_logprobs(nodes, last.end, loss_mask),
         first.call.agent_name,
-        versions,
+        _versions(nodes),
         [n.call.call_id for n in nodes],
         [n.choice.index for n in nodes],
         any(n.retokenized for n in nodes),
@@ -166,7 +186,7 @@ def assemble(
         seq.reward = discounted(reward, opts.gamma, dist)
     step = step_rewards_by_call(calls, events)
     attached: set[int] = set()
-    for seq, chain in zip(seqs, all_chains, strict=True):
+    for seq, chain in zip(seqs, all_chains, strict=True) if step else ():
         for node in chain.nodes:
             if node.pos in step and node.pos not in attached:
                 seq.step_rewards += step[node.pos]

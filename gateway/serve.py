@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 
-from tracegym.gateway.settings import GatewaySettings
+from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
 from tracegym.procs import free_port, start_process
 
 log = logging.getLogger("tracegym.gateway")
@@ -22,6 +22,7 @@ def settings_from_args(args: argparse.Namespace, upstream_url: str | None, kind:
     return GatewaySettings(
         upstream_url=upstream_url, upstream_kind=kind, model=args.model, store_url=store,
         max_body_bytes=args.max_body_bytes, upstream_timeout=args.upstream_timeout, freeze_gc=True,
+        switch_interval_s=SERVE_SWITCH_INTERVAL_S,
     )
 
 

@@ -163,11 +163,11 @@ def _lines(store: Any, first: list[dict], rest: Iterator[list[dict]], opts: Asse
     page: list[dict] | None = first
     while page is not None:
         ids = [r["rollout_id"] for r in page]
-        calls = store.list_call_records_many(ids, arrays=True, with_request=False) if page else {}
         events = store.list_events_many(ids, kind="reward") if page else {}
-        for row in page:
-            rid = row["rollout_id"]
-            traj = _assemble(store, row, calls.get(rid, []), opts, check, events.get(rid, []))
+        # One rollout's records alive at a time (see ``Store.iter_call_records_many``).
+        calls = store.iter_call_records_many(ids, arrays=True, with_request=False)
+        for row, (rid, cs) in zip(page, calls, strict=True):
+            traj = _assemble(store, row, cs, opts, check, events.get(rid, []))
             yield trajectory_json(traj) + b"\n"
         page = next(rest, None)
 

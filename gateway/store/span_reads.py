@@ -67,12 +67,14 @@ def attributes_without_request(text: bytes | str) -> dict[str, Any] | None:
     return attrs
 
 
-def _attributes(source: str, text: bytes | str, with_request: bool) -> Any:
+def _call_attributes(source: str, text: bytes | str, with_request: bool) -> dict[str, Any] | None:
+    """The attributes of an LLM call span, or None for an agent's own (OTLP) span."""
     if not with_request and source == "gateway":
         attrs = attributes_without_request(text)
-        if attrs is not None:
+        if attrs is not None:  # checked to be a call's
             return attrs
-    return orjson.loads(text)
+    attrs = orjson.loads(text)
+    return attrs if is_call_attributes(attrs) else None
 
 
 _INT64_TAG = ord("q")
@@ -89,34 +91,52 @@ def _widen(calls: list[CallRecord]) -> None:
             ch.output_ids = q(ch.output_ids)
 
 
-def read_call_records(raw: Any, dialect: str, rollout_ids: list[str], *, arrays: bool,
-                      with_request: bool) -> dict[str, list[CallRecord]]:
-    """``{rollout_id: [CallRecord, ...]}`` in start order (rollouts without calls are absent), read on
-    the raw DBAPI connection ``raw`` inside the caller's transaction, ``PAGE_IDS`` rollouts per query."""
-    out: dict[str, list[CallRecord]] = {}
-    wide: set[str] = set()  # rollouts with int64 ids somewhere
+def read_call_rows(raw: Any, dialect: str, rollout_ids: list[str]) -> dict[str, list[tuple]]:
+    """The raw column tuples (``_COLUMNS``) of the spans of ``rollout_ids``, grouped by rollout in start
+    order (rollouts without spans are absent), read on the raw DBAPI connection ``raw`` inside the caller's
+    transaction, ``PAGE_IDS`` rollouts per query. ``call_records`` turns one rollout's rows into records."""
+    out: dict[str, list[tuple]] = {}
     cur = raw.cursor()
     try:
         for start in range(0, len(rollout_ids), PAGE_IDS):
             page = rollout_ids[start : start + PAGE_IDS]
-            params = (page,) if dialect == "postgresql" else page
-            cur.execute(select_sql(dialect, len(page)), params)
-            for rid, source, t0, t1, status, message, text, prompt, output, lps in cur.fetchall():
-                attrs = _attributes(source, text, with_request)
-                if not is_call_attributes(attrs):  # an agent's own (OTLP) span
-                    continue
-                rec = call_record_from_values(attrs, rid, status, message, t0, t1, prompt, output, lps,
-                                              arrays=arrays)
-                if (prompt and prompt[0] == _INT64_TAG) or (output and output[0] == _INT64_TAG):
-                    wide.add(rid)
-                calls = out.get(rid)
-                if calls is None:
-                    out[rid] = [rec]
+            cur.execute(select_sql(dialect, len(page)), (page,) if dialect == "postgresql" else page)
+            for row in cur.fetchall():
+                rows = out.get(row[0])
+                if rows is None:
+                    out[row[0]] = [row]
                 else:
-                    calls.append(rec)
+                    rows.append(row)
     finally:
         cur.close()
-    if arrays:
-        for rid in wide:
-            _widen(out[rid])
+    return out
+
+
+def call_records(rows: list[tuple], *, arrays: bool, with_request: bool) -> list[CallRecord]:
+    """One rollout's ``CallRecord``s from its ``read_call_rows`` rows (agents' own OTLP spans skipped). With
+    ``arrays``, the id arrays all take the widest type present (arrays of one type concatenate)."""
+    out: list[CallRecord] = []
+    wide = False
+    for rid, source, t0, t1, status, message, text, prompt, output, lps in rows:
+        attrs = _call_attributes(source, text, with_request)
+        if attrs is None:
+            continue
+        out.append(call_record_from_values(attrs, rid, status, message, t0, t1, prompt, output, lps,
+                                           arrays=arrays))
+        if (prompt and prompt[0] == _INT64_TAG) or (output and output[0] == _INT64_TAG):
+            wide = True
+    if wide and arrays:
+        _widen(out)
+    return out
+
+
+def read_call_records(raw: Any, dialect: str, rollout_ids: list[str], *, arrays: bool,
+                      with_request: bool) -> dict[str, list[CallRecord]]:
+    """``{rollout_id: [CallRecord, ...]}`` in start order (rollouts without calls are absent); see
+    ``read_call_rows``."""
+    out = {}
+    for rid, rows in read_call_rows(raw, dialect, rollout_ids).items():
+        calls = call_records(rows, arrays=arrays, with_request=with_request)
+        if calls:
+            out[rid] = calls
     return out

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import sqlalchemy as sa
@@ -13,7 +14,7 @@ from tracegym.gateway.store.db import Database
 from tracegym.gateway.store.rollouts import write_span_rollouts
 from tracegym.gateway.store.schema import spans as S
 from tracegym.gateway.store.span_insert import insert_postgresql, insert_sqlite
-from tracegym.gateway.store.span_reads import read_call_records
+from tracegym.gateway.store.span_reads import call_records, read_call_records, read_call_rows
 from tracegym.gateway.store.span_rows import COLUMNS, SpanBatch
 from tracegym.types import CallRecord
 
@@ -85,3 +86,16 @@ class SpansMixin:
         with self.db.read() as conn:
             return read_call_records(conn.connection.dbapi_connection, self.db.dialect, list(rollout_ids),
                                      arrays=arrays, with_request=with_request)
+
+    def iter_call_records_many(self, rollout_ids: list[str], *, arrays: bool = False,
+                               with_request: bool = True) -> Iterator[tuple[str, list[CallRecord]]]:
+        """``(rollout_id, calls)`` for each of ``rollout_ids`` in that order (``[]`` for a rollout without
+        calls), as ``list_call_records_many`` reads them: the rows are read at once, in one transaction,
+        and each rollout's records are built only when it is reached. So a consumer that assembles one
+        rollout at a time keeps one rollout's records alive, not the page's (less for the garbage collector
+        to scan, and the token arrays are still in cache when they are compared)."""
+        with self.db.read() as conn:
+            rows = read_call_rows(conn.connection.dbapi_connection, self.db.dialect, list(rollout_ids))
+        empty: list[tuple] = []
+        return ((rid, call_records(rows.get(rid, empty), arrays=arrays, with_request=with_request))
+                for rid in rollout_ids)

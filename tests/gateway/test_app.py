@@ -3,6 +3,8 @@ recorder can be inspected) in front of the SGLang fake as a real process."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +25,8 @@ from tests.procs import ManagedProcess
 from tracegym.gateway.app import create_app
 from tracegym.gateway.fastpath import HotFront
 from tracegym.gateway.routes.openai import HOT_ROUTES
-from tracegym.gateway.settings import GatewaySettings
+from tracegym.gateway.serve import settings_from_args
+from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
 from tracegym.gateway.templating import ChatTokenizer
 
 MODEL = "tiny-random"
@@ -364,3 +367,21 @@ def test_hot_front_as_tracegym_serve_wraps_it(fake: ManagedProcess) -> None:
         route = 'route="/rollouts/{rollout_id}/v1/chat/completions",status="200"} 1.0'
         assert route in text and 'route="/v1/chat/completions",status="404"} 1.0' in text
         assert [c.rollout_id for c in rec.wait_for(1)] == ["r-front"]  # the 404 is not a call
+
+
+def test_switch_interval_is_set_while_serving_and_restored(fake) -> None:
+    before = sys.getswitchinterval()
+    srv, _ = _gateway(fake.base_url, switch_interval_s=0.0007)
+    with srv:
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+        assert _post(srv.url + "/v1/chat/completions", {"model": MODEL, "messages": Q, "max_tokens": 2}).status_code == 200
+    assert sys.getswitchinterval() == before
+    with pytest.raises(ValueError):
+        GatewaySettings(upstream_url=fake.base_url, switch_interval_s=0)
+
+
+def test_serve_sets_the_switch_interval_and_freezes_gc() -> None:
+    args = argparse.Namespace(model=MODEL, store="none", max_body_bytes=1000, upstream_timeout=5.0)
+    settings = settings_from_args(args, "http://127.0.0.1:1", "sglang")
+    assert settings.switch_interval_s == SERVE_SWITCH_INTERVAL_S and settings.freeze_gc
+    assert GatewaySettings(upstream_url="http://127.0.0.1:1").switch_interval_s is None  # embedded apps: untouched

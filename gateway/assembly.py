@@ -133,7 +133,7 @@ def _sequence(chain: Chain) -> Sequence:
     # Every node continues the one before it (its parent), so the concatenated prompt suffixes and
     # outputs are exactly the last node's prompt + output; sampled spans are [len(prompt), end).
     # Packed arrays (see ``Sequence``): no Python object per token; retokenized spans keep NaN (None).
-    # (bytearray: writable arrays, as concatenate makes)
+    # Ids of the store's arrays: one joined buffer (a bytearray, so the array is writable as concatenate's is).
     if type(last.prompt) is array and type(last.output) is array and last.prompt.typecode == last.output.typecode:
         token_ids = np.frombuffer(bytearray().join((last.prompt, last.output)), dtype=last.prompt.typecode)
     else:

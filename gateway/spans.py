@@ -90,8 +90,10 @@ def _outputs_and_meta(choices: list[ChoiceRecord]) -> tuple[list, list, tuple[st
 
 
 def stored_attributes(rec: CallRecord) -> tuple[dict[str, Any], list, list]:
-    """The call's attributes as the store keeps them (``tracegym.request`` / ``tracegym.choices`` as
-    structured JSON, no token arrays), and the concatenated output ids and logprobs of its choices.
+    """The call's attributes as the store keeps them in ``attributes`` (``tracegym.choices`` as structured
+    JSON; no token arrays, and no ``tracegym.request``: the request body, most of a call's attributes, has
+    the ``request`` column, which the assembly read skips), and the concatenated output ids and logprobs
+    of its choices.
     On the span export hot path: plain statements, no per-key loops (the key order is the stored JSON's)."""
     ids, lps, finish, meta = _outputs_and_meta(rec.choices)
     req = rec.request
@@ -111,7 +113,6 @@ def stored_attributes(rec: CallRecord) -> tuple[dict[str, Any], list, list]:
         "tracegym.drift": rec.drift,
         "tracegym.prefix_len": rec.prefix_len,
         "tracegym.retokenized": rec.retokenized,
-        REQUEST: req,
         CHOICES: meta,
     }
     get = req.get
@@ -144,7 +145,7 @@ def call_record_attributes(rec: CallRecord) -> dict[str, Any]:
     """The span attributes of a call (all values valid OpenTelemetry attribute types): the stored
     attributes with the request/choices JSON as strings and the token arrays as compact bytes."""
     attrs, ids, lps = stored_attributes(rec)
-    attrs[REQUEST] = orjson.dumps(attrs[REQUEST], option=orjson.OPT_NON_STR_KEYS).decode()
+    attrs[REQUEST] = orjson.dumps(rec.request, option=orjson.OPT_NON_STR_KEYS).decode()
     attrs[CHOICES] = orjson.dumps(attrs[CHOICES]).decode()
     attrs[OUTPUT_IDS] = encode_ints(ids)
     attrs[OUTPUT_LOGPROBS] = encode_floats(lps)
@@ -173,6 +174,7 @@ def call_record_store_row(rec: CallRecord, *, trace_id: str, span_id: str, resou
         trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", f"{rec.operation} {rec.model}",
         "client", start_time_ns, end_time_ns, status, message, json_text(attrs), resource_json, JSON_NULL,
         None if prompt is None else encode_ints(prompt), encode_ints(ids), encode_floats(lps),
+        json_text(rec.request),
     )
 
 
@@ -205,7 +207,8 @@ def json_safe(value: Any) -> Any:
 def attributes_to_row_fields(attrs: dict[str, Any]) -> dict[str, Any]:
     """Split span attributes into the store's columns: token arrays -> blobs, JSON strings -> structured
     JSON, any other bytes -> base64 text. Returns ``attributes``, ``prompt_ids``, ``output_ids``,
-    ``output_logprobs``, ``rollout_id`` and ``call_id``."""
+    ``output_logprobs``, ``rollout_id`` and ``call_id``, and for an LLM call span ``request`` (the JSON text
+    of ``tracegym.request``, which then leaves ``attributes``)."""
     rest = dict(attrs)
     fields = {
         "prompt_ids": _blob(rest.pop(PROMPT_IDS, None), floats=False),
@@ -223,6 +226,7 @@ def attributes_to_row_fields(attrs: dict[str, Any]) -> dict[str, Any]:
     fields["call_id"] = rest.get(CALL_ID)
     if is_call_attributes(rest):
         check_call_attributes(rest, fields)
+        fields["request"] = json_text(rest.pop(REQUEST))  # a column of its own (see ``stored_attributes``)
     return fields
 
 

@@ -73,6 +73,8 @@ spans = sa.Table(
     sa.Column("prompt_ids", sa.LargeBinary, nullable=True),
     sa.Column("output_ids", sa.LargeBinary, nullable=True),
     sa.Column("output_logprobs", sa.LargeBinary, nullable=True),
+    # Last, so that a read that does not select it (assembly) never touches its bytes in the row.
+    sa.Column("request", sa.Text, nullable=True),
     sa.UniqueConstraint("trace_id", "span_id", name="uq_spans_trace_span"),
     sa.Index("ix_spans_rollout_start", "rollout_id", "start_time_ns"),
     sa.Index("ix_spans_call", "call_id"),

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 
-from tracegym.gateway.spans import call_record_to_row, decoded_choices
+from tracegym.gateway.spans import REQUEST, call_record_to_row, decoded_choices
 from tracegym.gateway.store.codec import decode
 from tracegym.gateway.store.db import Database
 from tracegym.gateway.store.rollouts import write_span_rollouts
@@ -18,9 +19,13 @@ from tracegym.gateway.store.span_reads import call_records, read_call_records, r
 from tracegym.gateway.store.span_rows import COLUMNS, SpanBatch
 from tracegym.types import CallRecord
 
+_NOT_IN_SPAN_DICT = frozenset({"prompt_ids", "output_ids", "output_logprobs", "request"})
+
 
 def _span_dict(m: Any) -> dict[str, Any]:
-    d = {c: m[c] for c in COLUMNS if c not in ("prompt_ids", "output_ids", "output_logprobs")}
+    d = {c: m[c] for c in COLUMNS if c not in _NOT_IN_SPAN_DICT}
+    if m["request"] is not None:  # the call's request body has a column of its own (older rows: in attributes)
+        d["attributes"][REQUEST] = orjson.loads(m["request"])
     d["prompt_ids"] = decode(m["prompt_ids"])
     d["choices"] = decoded_choices(m)
     return d
@@ -95,7 +100,8 @@ class SpansMixin:
         rollout at a time keeps one rollout's records alive, not the page's (less for the garbage collector
         to scan, and the token arrays are still in cache when they are compared)."""
         with self.db.read() as conn:
-            rows = read_call_rows(conn.connection.dbapi_connection, self.db.dialect, list(rollout_ids))
+            rows = read_call_rows(conn.connection.dbapi_connection, self.db.dialect, list(rollout_ids),
+                                  with_request=with_request)
         empty: list[tuple] = []
         return ((rid, call_records(rows.get(rid, empty), arrays=arrays, with_request=with_request))
                 for rid in rollout_ids)

@@ -4,18 +4,20 @@ idempotent events, weight versions and metrics."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from tests.gateway.test_store_helpers import make_record
-from tracegym.gateway.spans import call_record_to_row
+from tracegym.gateway.spans import REQUEST, call_record_to_row
 from tracegym.gateway.store import Store
 from tracegym.gateway.store.codec import decode, decode_array, encode_floats, encode_ints
-from tracegym.gateway.store.migrate import head_revision
+from tracegym.gateway.store.migrate import alembic_config, head_revision
 from tracegym.gateway.store.migrate import main as db_main
 from tracegym.gateway.store.schema import metadata
 
@@ -63,6 +65,35 @@ def test_migrations_match_schema_and_cli(store_url: str, capsys):
                 assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
     finally:
         s.close()
+
+
+def _migrate(store: Store, action: str, revision: str) -> None:
+    cfg = alembic_config()
+    with store.db.write() as conn:
+        cfg.attributes["connection"] = conn
+        getattr(command, action)(cfg, revision)
+
+
+def test_request_column_migration_keeps_the_bodies_both_ways(store: Store):
+    """0003 moved call request bodies out of ``attributes``: its downgrade puts them back (nothing lost),
+    and rows as the downgrade leaves them read the same once upgraded again."""
+    recs = [make_record(0), make_record(1, n=2), make_record(2, rollout_id="ro-2")]
+    store.insert_call_records(recs)
+    ids = ["ro-1", "ro-2"]
+    before = {k: [c.to_dict() for c in v] for k, v in store.list_call_records_many(ids).items()}
+    fast = store.list_call_records_many(ids, with_request=False)
+    _migrate(store, "downgrade", "0002_spans_inline_rows")
+    with store.db.read() as conn:
+        assert "request" not in {c["name"] for c in sa.inspect(conn).get_columns("spans")}
+        bodies = [a[REQUEST] for a in conn.execute(sa.select(sa.column("attributes", sa.JSON))
+                                                   .select_from(sa.table("spans"))).scalars()]
+    def canon(bodies: list) -> list[str]:
+        return sorted(json.dumps(b, sort_keys=True) for b in bodies)
+
+    assert canon(bodies) == canon([r.request for r in recs])
+    _migrate(store, "upgrade", "head")
+    assert {k: [c.to_dict() for c in v] for k, v in store.list_call_records_many(ids).items()} == before
+    assert store.list_call_records_many(ids, with_request=False) == fast
 
 
 def test_call_records_round_trip_exactly(store: Store):

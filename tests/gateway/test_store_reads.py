@@ -8,12 +8,14 @@ from array import array
 
 import orjson
 import pytest
+import sqlalchemy as sa
 
 from tests.gateway.test_store_helpers import make_record
 from tracegym.gateway.spans import CHOICES, REQUEST, call_record_store_row
 from tracegym.gateway.store import Store
+from tracegym.gateway.store.schema import spans as S
 from tracegym.gateway.store.span_reads import attributes_without_request
-from tracegym.gateway.store.span_rows import json_text
+from tracegym.gateway.store.span_rows import COLUMNS, json_text
 from tracegym.types import CallRecord
 
 TRICKY = ',"tracegym.choices":[{"x":1}],"tracegym.request":{"y":2}'
@@ -64,15 +66,28 @@ def test_array_read_without_request_equals_the_default_read(store: Store):
     assert [c.request for c in with_request["ro-1"]] == [r.request for r in recs[:4]]
 
 
-def _stored_attributes(rec: CallRecord) -> str:
+def _old_layout(attrs: dict, request: dict) -> dict:
+    """Attributes as the store kept them before migration 0003: the request body inside, right before
+    the choices (the gateway's key order then)."""
+    out = {}
+    for k, v in attrs.items():
+        if k == CHOICES:
+            out[REQUEST] = request
+        out[k] = v
+    return out
+
+
+def _old_stored_attributes(rec: CallRecord) -> str:
     row = call_record_store_row(rec, trace_id="t" * 32, span_id="s" * 16, resource_json="null",
                                 start_time_ns=1, end_time_ns=2)
-    return row[12]
+    assert COLUMNS[12] == "attributes" and COLUMNS[-1] == "request"
+    assert REQUEST not in orjson.loads(row[12]) and orjson.loads(row[-1]) == rec.request  # today's layout
+    return json_text(_old_layout(orjson.loads(row[12]), rec.request))
 
 
 def test_request_cut_is_exact_or_declines():
     rec = _records()[0]
-    text = _stored_attributes(rec)
+    text = _old_stored_attributes(rec)
     full = orjson.loads(text)
     for form in (text, text.encode()):
         cut = attributes_without_request(form)
@@ -83,6 +98,32 @@ def test_request_cut_is_exact_or_declines():
     assert attributes_without_request(json_text({k: v for k, v in full.items() if k != REQUEST})) is None
 
 
+def _reads(store: Store, ids: list[str]) -> tuple:
+    full = store.list_call_records_many(ids)
+    fast = store.list_call_records_many(ids, arrays=True, with_request=False)
+    spans = {rid: store.list_spans(rid) for rid in ids}
+    return ({k: [c.to_dict() for c in v] for k, v in full.items()},
+            {k: [_as_lists(c) for c in v] for k, v in fast.items()}, spans)
+
+
+def test_rows_from_before_the_request_column_read_the_same(store: Store):
+    """Call spans keep their request body in the ``request`` column; rows written before it existed (the
+    body inside ``attributes``, ``request`` NULL) give the same records and span dicts on every read."""
+    recs = _records()
+    store.insert_call_records(recs)
+    ids = ["ro-1", "ro-2"]
+    before = _reads(store, ids)
+    assert [c["request"] for c in before[0]["ro-1"]] == [r.request for r in recs[:4]]
+    assert all(REQUEST in s["attributes"] for spans in before[2].values() for s in spans)
+    with store.db.write() as conn:
+        rows = conn.execute(sa.select(S.c.id, S.c.attributes, S.c.request)).all()
+        assert rows and all(r.request is not None and REQUEST not in r.attributes for r in rows)
+        for r in rows:  # rewrite each row as the store wrote it before migration 0003
+            conn.execute(S.update().where(S.c.id == r.id).values(
+                attributes=_old_layout(r.attributes, orjson.loads(r.request)), request=None))
+    with store.db.read() as conn:
+        assert conn.execute(sa.select(sa.func.count()).where(S.c.request.is_not(None))).scalar_one() == 0
+    assert _reads(store, ids) == before
 def test_events_of_many_rollouts(store: Store):
     store.add_reward("ro-a", 1.0, idempotency_key="k1")
     store.add_event("ro-a", kind="event", idempotency_key="k2", value={"ok": True})

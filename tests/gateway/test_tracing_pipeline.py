@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.gateway.test_store_helpers import make_record
-from tracegym.gateway.spans import CALL_ID, CHOICES, REQUEST, ROLLOUT_ID, call_record_store_row
+from tracegym.gateway.spans import CALL_ID, CHOICES, ROLLOUT_ID, call_record_store_row
 from tracegym.gateway.store import Store
 from tracegym.gateway.store.codec import encode_floats, encode_ints
 from tracegym.gateway.store.span_rows import COLUMNS, SpanBatch, json_text
@@ -44,7 +44,7 @@ def _reference_row(rec: CallRecord, trace_id: str, span_id: str, resource_json: 
         "gen_ai.usage.input_tokens": rec.input_tokens, "gen_ai.usage.output_tokens": rec.output_tokens,
         CALL_ID: rec.call_id, ROLLOUT_ID: rec.rollout_id, "tracegym.upstream_kind": rec.upstream_kind,
         "tracegym.drift": rec.drift, "tracegym.prefix_len": rec.prefix_len,
-        "tracegym.retokenized": rec.retokenized, REQUEST: req,
+        "tracegym.retokenized": rec.retokenized,
         CHOICES: [{"index": c.index, "finish_reason": c.finish_reason, "message": c.message,
                    "weight_versions": [[w.version, w.start, w.end] for w in c.weight_versions],
                    "n_output_ids": id_lens[i], "n_output_logprobs": lp_lens[i]}
@@ -66,7 +66,8 @@ def _reference_row(rec: CallRecord, trace_id: str, span_id: str, resource_json: 
     return (trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", f"{rec.operation} {rec.model}",
             "client", start, end, "error" if error else "ok", rec.error if error else None,
             orjson.dumps(attrs, option=_OPTS).decode(), resource_json, "null",
-            None if rec.prompt_ids is None else encode_ints(rec.prompt_ids), encode_ints(ids), encode_floats(lps))
+            None if rec.prompt_ids is None else encode_ints(rec.prompt_ids), encode_ints(ids), encode_floats(lps),
+            orjson.dumps(req, option=_OPTS).decode())  # the request body: a column of its own (migration 0003)
 
 
 def _records() -> list[CallRecord]:

@@ -8,8 +8,8 @@ They are inserted with ``Store.insert_call_records`` (the store's own span rows)
 ``GET /api/trajectories`` reads them: a page of rollouts (``list_rollouts``), their reward events in one
 query (``list_events_many``), their spans in one query (``iter_call_records_many``, ``arrays=True,
 with_request=False``: ``array`` token ids, request body not parsed, one rollout's CallRecords built at a
-time), ``assemble_rollout``, ``check_invariants``, and the JSON line the route sends. ``fetch (lists+request)`` is the default read (list ids, full request), for
-comparison. Like the gateway (``tracegym serve`` freezes its startup heap), the measurement runs with
+time), ``assemble_rollout``, ``check_invariants``, and the JSON line the route sends.
+``fetch (lists+request)`` is the default read (list ids, full request), for comparison. Like the gateway (``tracegym serve`` freezes its startup heap), the measurement runs with
 the objects alive before it frozen (``gc.freeze``).
 
     python benchmarks/assembly.py [--rollouts 100] [--turns 8] [--scale 10] [--system-tokens 300] ...

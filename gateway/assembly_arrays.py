@@ -9,15 +9,18 @@ from typing import Any
 import numpy as np
 
 
-def ids_array(values: Any) -> np.ndarray:
-    """Token ids as a numpy array: a view of an ``array.array`` (its own integer type), else int64."""
+def _as_numpy(values: Any, dtype: type) -> np.ndarray:
+    """A view of an ``array.array`` (its own type), else ``values`` converted to ``dtype``."""
     if isinstance(values, array):
         return np.frombuffer(values, dtype=values.typecode)
-    return np.asarray(values, dtype=np.int64)
+    return np.asarray(values, dtype=dtype)
+
+
+def ids_array(values: Any) -> np.ndarray:
+    """Token ids as a numpy array (int64 from a list)."""
+    return _as_numpy(values, np.int64)
 
 
 def logprobs_array(values: Any) -> np.ndarray:
-    """Engine logprobs as a numpy array: a view of an ``array.array`` (float32/64), else float64."""
-    if isinstance(values, array):
-        return np.frombuffer(values, dtype=values.typecode)
-    return np.asarray(values, dtype=np.float64)
+    """Engine logprobs as a numpy array (float32/64 from the store, float64 from a list)."""
+    return _as_numpy(values, np.float64)

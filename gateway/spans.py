@@ -171,7 +171,7 @@ def call_record_store_row(rec: CallRecord, *, trace_id: str, span_id: str, resou
     else:
         status, message = "ok", None
     return (
-        trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", f"{rec.operation} {rec.model}",
+        trace_id, span_id, None, rec.rollout_id, rec.call_id, "gateway", span_name(rec),
         "client", start_time_ns, end_time_ns, status, message, json_text(attrs), resource_json, JSON_NULL,
         None if prompt is None else encode_ints(prompt), encode_ints(ids), encode_floats(lps),
         json_text(rec.request),

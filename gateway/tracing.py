@@ -7,7 +7,8 @@ attribute -> row round trip) into ``SpanBatch``es, and a write thread inserts th
 -> ``Store.insert_spans``, one transaction per batch, or per run of batches that waited for it) while the
 next batch is being encoded. The two threads share the GIL: encoding holds it, while the store's C work
 (SQLite) or server round trips (PostgreSQL) release it, and every time the write thread wants it back
-while the build thread encodes it waits up to the switch interval (5 ms). Hence few statements per
+while the build thread encodes it waits up to the switch interval (Python's default 5 ms; ``tracegym serve``
+sets 0.5 ms, ``GatewaySettings.switch_interval_s``). Hence few statements per
 transaction (``store.span_insert``) and, when the writer falls behind, several batches per transaction;
 the build thread, the bottleneck once that is done, checks only the columns a call row takes from its
 record (``spans.CALL_ROW_TEXT``) and draws both span ids with one ``getrandbits``. When extra
@@ -362,7 +363,7 @@ class StoreSpanProcessor(SpanProcessor):
                 if type(items[0]) is SpanBatch:
                     # Behind the build thread: the batches already waiting go into the same transaction (one
                     # rollouts statement and one commit for all of them; each statement costs this thread a
-                    # GIL re-acquisition, up to the 5 ms switch interval while the build thread runs). A
+                    # GIL re-acquisition, up to the switch interval while the build thread runs). A
                     # marker ends the merge; it is handled after the write, as if it came alone.
                     while type(items[-1]) is SpanBatch:
                         try:

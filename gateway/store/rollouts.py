@@ -130,7 +130,7 @@ def write_span_rollouts(db: Database, conn: sa.Connection, tasks: dict[str, str 
 
     SQLite: in one statement, a multi-row upsert (a new rollout is inserted with its version, an existing one
     updated where the version differs): each statement the write thread runs costs it a GIL re-acquisition,
-    up to 5 ms while the tracing build thread runs (see ``span_insert``). PostgreSQL: the two statements,
+    up to the switch interval while the tracing build thread runs (see ``span_insert``). PostgreSQL: the two statements,
     because an upsert's ``DO UPDATE`` would lock every conflicting rollout row until commit (queue claims
     skip locked rows), while ``UPDATE ... WHERE ... IS DISTINCT FROM`` locks only the rows it changes."""
     if db.dialect != "sqlite":

@@ -5,7 +5,7 @@ SQLite: multi-row ``INSERT INTO spans (...) VALUES (?,...),(?,...),... ON CONFLI
 NOTHING``, the parameters of up to ``rows_per_statement`` rows bound at once; rowcount sums the rows really
 inserted. Not ``executemany``: the ``sqlite3`` driver releases the GIL around every row's ``sqlite3_step``,
 and while another thread runs Python (the tracing build thread encoding the next batch) each re-acquisition
-waits up to the switch interval (5 ms): 20,000 rows took ~100 s that way (208 rows/s) instead of 0.6 s. The C
+waits up to the switch interval (5 ms by default): 20,000 rows took ~100 s that way (208 rows/s) instead of 0.6 s. The C
 work of one statement runs outside the GIL in one piece, so the write overlaps the encoding instead. The
 same goes for every other statement of the batch's transaction, hence one statement of each kind per batch:
 ``BEGIN IMMEDIATE``, the rollouts upsert (``rollouts.write_span_rollouts``), the spans INSERT (two where the

@@ -114,14 +114,8 @@ class SpanBatch:
         check_row(row, text)
         rid = row[ROLLOUT_POS]
         if rid is not None:
-            # check_text's conditions, inlined for the common valid case (the tracing exporter's hot path)
-            if task_id is not None and (type(task_id) is not str or len(task_id) > _TASK_MAX
-                                        or "\x00" in task_id):
-                check_text("tracegym.task_id", task_id, _TASK_MAX)
-            if weight_version is not None and (type(weight_version) is not str
-                                               or len(weight_version) > _VERSION_MAX
-                                               or "\x00" in weight_version):
-                check_text("tracegym.weight_version", weight_version, _VERSION_MAX)
+            check_text("tracegym.task_id", task_id, _TASK_MAX)
+            check_text("tracegym.weight_version", weight_version, _VERSION_MAX)
         self.rows.append(row)
         if rid is None:
             return

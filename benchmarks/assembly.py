@@ -114,7 +114,7 @@ def run(store: Store, *, events: bool, check: bool, json: bool = False) -> tuple
     for rows in pages(store):
         ids = [r["rollout_id"] for r in rows]
         evs = store.list_events_many(ids, kind="reward") if events else {}
-        calls = store.iter_call_records_many(ids, arrays=True, with_request=False)
+        calls = store.iter_token_calls(ids)
         for row, (rid, cs) in zip(rows, calls, strict=True):
             a = time.process_time()
             traj = assemble_rollout(row, cs, evs.get(rid, []), opts)
@@ -128,19 +128,25 @@ def run(store: Store, *, events: bool, check: bool, json: bool = False) -> tuple
     return time.process_time() - t0, t_asm, spans
 
 
-def fetch_only(store: Store, rids: list[str], **kw: bool) -> tuple[float, int]:
+def fetch_only(store: Store, rids: list[str], records: bool = False) -> tuple[float, int]:
+    """(CPU seconds, spans) of reading every rollout's calls: ``TokenCall``s (the assembly's read), or
+    with ``records`` whole ``CallRecord``s with their request bodies (the store's full read)."""
     t0 = time.process_time()
     n = 0
     for start in range(0, len(rids), PAGE):
-        n += sum(len(v) for v in store.list_call_records_many(rids[start : start + PAGE], **kw).values())
+        ids = rids[start : start + PAGE]
+        if records:
+            n += sum(len(v) for v in store.list_call_records_many(ids).values())
+        else:
+            n += sum(len(calls) for _, calls in store.iter_token_calls(ids))
     return time.process_time() - t0, n
 
 
 def measure(store: Store, rids: list[str]) -> dict[str, float]:
     """CPU seconds of each measured path over the whole store."""
     r: dict[str, float] = {}
-    r["fetch (lists+request)"], _ = fetch_only(store, rids)
-    r["fetch"], _ = fetch_only(store, rids, arrays=True, with_request=False)
+    r["fetch (CallRecords)"], _ = fetch_only(store, rids, records=True)
+    r["fetch"], _ = fetch_only(store, rids)
     r["fetch+assemble"], r["assemble"], _ = run(store, events=False, check=False)
     r["fetch+events+assemble+check"], r["assemble+check"], _ = run(store, events=True, check=True)
     r["... +json (the route's work)"], _, _ = run(store, events=True, check=True, json=True)

@@ -11,28 +11,31 @@ the trajectory every call choice is trained exactly once or listed in ``excluded
 from __future__ import annotations
 
 import struct
-from array import array
 from typing import Any
 
 import numpy as np
 
-from tracegym.gateway.assembly_arrays import ids_array, logprobs_array
-from tracegym.types import CallRecord, ChoiceRecord, Sequence, Trajectory
+from tracegym.gateway.assembly_calls import (
+    DTYPES,
+    TokenCall,
+    TokenChoice,
+    count,
+    payload,
+    token_calls,
+    values,
+)
+from tracegym.gateway.store.codec import ITEMSIZE, decode
+from tracegym.types import CallRecord, Sequence, Trajectory
+
+Choices = dict[tuple[str, int], tuple[TokenCall, TokenChoice]]
 
 
 class InvariantError(AssertionError):
     """An assembled trajectory breaks one of its promises; the message says where."""
 
 
-def _as_list(values: Any) -> list:
-    """Ids or logprobs as a list (records may carry ``array.array``s); None stays None."""
-    if values is None or isinstance(values, list):
-        return values
-    return values.tolist() if isinstance(values, array) else list(values)
-
-
-def _choices(calls: list[CallRecord]) -> dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]:
-    out: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]] = {}
+def _choices(calls: list[TokenCall]) -> Choices:
+    out: Choices = {}
     for call in calls:
         for choice in call.choices:
             key = (call.call_id, choice.index)
@@ -42,9 +45,7 @@ def _choices(calls: list[CallRecord]) -> dict[tuple[str, int], tuple[CallRecord,
     return out
 
 
-def _check_sequence(
-    si: int, seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]
-) -> list[tuple[str, int]]:
+def _check_sequence(si: int, seq: Sequence, choices: Choices) -> list[tuple[str, int]]:
     n = len(seq.token_ids)
     if len(seq.loss_mask) != n or len(seq.logprobs) != n:
         raise InvariantError(
@@ -63,7 +64,7 @@ def _check_sequence(
         if (call_id, k) not in choices:
             raise InvariantError(f"sequence {si}: unknown call choice {call_id} #{k}")
         call, choice = choices[(call_id, k)]
-        prompt, out = _as_list(call.prompt_ids) or [], _as_list(choice.output_ids) or []
+        prompt, out = decode(call.prompt) or [], decode(choice.output) or []
         start, end = len(prompt), len(prompt) + len(out)
         where = f"sequence {si}, call {call_id} choice {k}"
         if start < prev_end:
@@ -75,7 +76,7 @@ def _check_sequence(
         if seq.token_ids[start:end] != out:
             raise InvariantError(f"{where}: output ids not found at positions [{start}, {end})")
         lps = seq.logprobs[start:end]
-        engine = _as_list(choice.output_logprobs)
+        engine = decode(choice.logprobs)
         if not seq.retokenized and lps != engine:
             raise InvariantError(f"{where}: logprobs differ from the engine's on the sampled tokens")
         if seq.retokenized and any(
@@ -100,33 +101,21 @@ def _check_sequence(
     return keys
 
 
-class _Packed:
-    """A sequence's token ids as machine integers, packed once per array type on first use, so the
-    prompts and outputs of array records are compared as bytes (``memcmp``, no slice copies), not int by
-    int."""
-
-    def __init__(self, ids: list) -> None:
-        self.ids = ids
-        self._by_type: dict[str, bytes | None] = {}
-
-    def equal(self, values: Any, start: int, end: int) -> bool:
-        """``ids[start:end] == values`` (``values`` a list or an ``array``; None only if empty)."""
-        if not isinstance(values, array) or values.typecode not in "iq":
-            return self.ids[start:end] == (values if values is not None else [])
-        tc = values.typecode
-        if tc not in self._by_type:
-            try:
-                self._by_type[tc] = struct.pack(f"{len(self.ids)}{tc}", *self.ids)
-            except struct.error:  # an id outside this type's range (or not an int): compare as lists
-                self._by_type[tc] = None
-        packed = self._by_type[tc]
-        if packed is None:
-            return self.ids[start:end] == values.tolist()
-        return len(values) == end - start and packed.startswith(values.tobytes(), start * values.itemsize)
+def _ids_bytes(ids: Any, tag: int) -> bytes | None:
+    """The sequence's ids packed as values of the blob tag ``tag`` (numpy arrays or lists), or None when
+    one does not fit that type (then no blob of that tag can match them)."""
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu" or (ids.size and not (np.iinfo(DTYPES[tag]).min <= ids.min()
+                                                            and ids.max() <= np.iinfo(DTYPES[tag]).max)):
+            return None
+        return ids.astype(DTYPES[tag], copy=False).tobytes()
+    try:
+        return struct.pack(f"<{len(ids)}{chr(tag)}", *ids)
+    except struct.error:  # an id outside this type's range, or not an int
+        return None
 
 
-def _trained(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]
-             ) -> list[tuple[CallRecord, ChoiceRecord]] | None:
+def _trained(seq: Sequence, choices: Choices) -> list[tuple[TokenCall, TokenChoice]] | None:
     """The (call, choice) of each entry of ``seq.call_ids`` / ``choice_indices``; None if one is unknown."""
     out = []
     for key in zip(seq.call_ids, seq.choice_indices, strict=True):
@@ -137,82 +126,60 @@ def _trained(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, Cho
     return out
 
 
-def _packed_ok(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]) -> bool:
-    """``_sequence_ok`` for a sequence holding numpy arrays (as assembled): the ids compared as bytes
-    (``memcmp`` of each call's prompt and output at their offsets), the mask and logprobs whole against
-    the ones the calls imply (NaN where None)."""
-    ids, mask, lps = seq.packed()
-    n = len(ids)
-    if not (isinstance(mask, np.ndarray) and isinstance(lps, np.ndarray)) or len(mask) != n or len(lps) != n:
-        return False
-    if mask.dtype.kind not in "iu" or lps.dtype != np.float64 or ids.dtype.kind not in "iu":
-        return False
-    raw = ids.tobytes()
-    size = ids.itemsize
-    expected_mask = np.zeros(n, dtype=np.int8)
-    expected_lps = np.full(n, np.nan)
-    trained = _trained(seq, choices)
-    if trained is None:
-        return False
-    prev_end = 0
-    for call, choice in trained:
-        engine = choice.output_logprobs
-        if call.prompt_ids is None or choice.output_ids is None or engine is None:
-            return False
-        prompt, out = ids_array(call.prompt_ids), ids_array(choice.output_ids)
-        start = len(prompt)
-        end = start + len(out)
-        if start < prev_end or end > n or len(engine) != end - start:
-            return False
-        if prompt.dtype == ids.dtype and out.dtype == ids.dtype:
-            if not (raw.startswith(prompt, 0) and raw.startswith(out, start * size)):
-                return False
-        elif not (np.array_equal(ids[:start], prompt) and np.array_equal(ids[start:end], out)):
-            return False
-        expected_mask[start:end] = 1
-        expected_lps[start:end] = logprobs_array(engine)
-        prev_end = end
-    return (prev_end == n and np.array_equal(mask, expected_mask)
-            and np.array_equal(lps, expected_lps, equal_nan=True))
-
-
-def _sequence_ok(seq: Sequence, choices: dict[tuple[str, int], tuple[CallRecord, ChoiceRecord]]) -> bool:
-    """True when ``seq`` keeps every promise ``_check_sequence`` verifies, checked at C speed: ids slice
-    by slice as bytes, then the whole mask and logprobs against the ones the calls imply. Never True for
-    a sequence ``_check_sequence`` rejects; False defers to it for the message (and for retokenized
-    sequences, which it alone checks)."""
+def _sequence_ok(seq: Sequence, choices: Choices) -> bool:
+    """True when ``seq`` keeps every promise ``_check_sequence`` verifies, checked at C speed: each call's
+    prompt and output ids compared as bytes (``memcmp``) at their offsets in the sequence's ids packed as
+    the blobs' type, then the whole mask and logprobs against the ones the calls imply (NaN where None).
+    Never True for a sequence ``_check_sequence`` rejects; False defers to it for the message (and for
+    retokenized sequences, which it alone checks)."""
     if seq.retokenized or not seq.call_ids or len(seq.call_ids) != len(seq.choice_indices):
         return False
-    if isinstance(seq.packed()[0], np.ndarray):
-        return _packed_ok(seq, choices)
-    n = len(seq.token_ids)
-    if len(seq.loss_mask) != n or len(seq.logprobs) != n:
+    ids, mask, lps = seq.packed()
+    n = len(ids)
+    if len(mask) != n or len(lps) != n:
         return False
-    ids = _Packed(seq.token_ids)
-    mask: list[int] = [0] * n
-    lps: list[float | None] = [None] * n
     trained = _trained(seq, choices)
-    if trained is None:
+    if trained is None or trained[0][0].prompt is None:
         return False
+    tag = trained[0][0].prompt[0]  # one id type per rollout (token_calls)
+    raw = _ids_bytes(ids, tag)
+    if raw is None:
+        return False
+    size = ITEMSIZE[tag]
+    expected_mask = np.zeros(n, dtype=np.int8)
+    expected_lps = np.full(n, np.nan)
     prev_end = 0
     for call, choice in trained:
-        prompt, out = call.prompt_ids, choice.output_ids
-        start = len(prompt) if prompt is not None else 0
-        end = start + (len(out) if out is not None else 0)
-        if start < prev_end or end > n or not ids.equal(prompt, 0, start) or not ids.equal(out, start, end):
+        prompt, out, engine = call.prompt, choice.output, choice.logprobs
+        if prompt is None or out is None or engine is None:
             return False
-        engine = _as_list(choice.output_logprobs)
-        if engine is None or len(engine) != end - start:
+        start = count(prompt)
+        end = start + count(out)
+        if start < prev_end or end > n or count(engine) != end - start:
             return False
-        mask[start:end] = [1] * (end - start)
-        lps[start:end] = engine
+        if not (raw.startswith(payload(prompt)) and raw.startswith(payload(out), start * size)):
+            return False
+        expected_mask[start:end] = 1
+        expected_lps[start:end] = values(engine)
         prev_end = end
-    return prev_end == n and seq.loss_mask == mask and seq.logprobs == lps
+    return prev_end == n and _equal(mask, expected_mask) and _equal(lps, expected_lps)
 
 
-def check_invariants(calls: list[CallRecord], trajectory: Trajectory) -> None:
-    """Raise ``InvariantError`` with a precise message if ``trajectory`` breaks a promise about ``calls``."""
-    choices = _choices(calls)
+def _equal(got: Any, expected: np.ndarray) -> bool:
+    """A sequence's mask or logprobs (packed, or read as a list) equals what the calls imply: an int mask,
+    float64 logprobs with NaN where the list has None."""
+    if isinstance(got, np.ndarray):
+        if expected.dtype == np.float64:
+            return got.dtype == np.float64 and np.array_equal(got, expected, equal_nan=True)
+        return got.dtype.kind in "iu" and np.array_equal(got, expected)
+    want = expected.tolist()
+    return got == ([None if x != x else x for x in want] if expected.dtype == np.float64 else want)
+
+
+def check_invariants(calls: list[CallRecord] | list[TokenCall], trajectory: Trajectory) -> None:
+    """Raise ``InvariantError`` with a precise message if ``trajectory`` breaks a promise about ``calls``
+    (``CallRecord``s or ``TokenCall``s)."""
+    choices = _choices(token_calls(calls))
     trained: dict[tuple[str, int], int] = {}
     for si, seq in enumerate(trajectory.sequences):
         if _sequence_ok(seq, choices):

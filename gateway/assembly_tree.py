@@ -12,42 +12,38 @@ continues carries the history, and the others end as their own sequences.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from tracegym.types import CallRecord, ChoiceRecord
+from tracegym.gateway.assembly_calls import TokenCall, TokenChoice
 
 
 @dataclass(slots=True, eq=False)
 class Node:
     pos: int
     """Index of the call in the rollout (start order)."""
-    call: CallRecord
-    choice: ChoiceRecord
-    prompt: list[int]
-    output: list[int]
-    logprobs: Any
-    """The engine's, aligned with ``output`` (a list or an ``array``); None for retokenized calls."""
+    call: TokenCall
+    choice: TokenChoice
+    prompt: bytes
+    """The call's prompt ids (a blob; every id blob of the rollout has one tag, see ``token_calls``)."""
+    output: bytes
+    """The choice's output ids (a blob of the same tag)."""
+    logprobs: bytes | None
+    """The engine's logprobs of ``output`` (a blob); None for retokenized calls."""
     retokenized: bool
+    start: int
+    """Number of prompt ids: the sequence position of the first output id."""
+    end: int
+    """``start`` + number of output ids."""
     parent: Node | None = None
     """Only the parent is linked (no child lists): the tree has no reference cycles, so it is freed by
     reference counting as soon as the sequences are built."""
     has_children: bool = False
     size: int = 1
-    end: int = field(init=False)
-    """``len(prompt) + len(output)``."""
 
-    def __post_init__(self) -> None:
-        self.end = len(self.prompt) + len(self.output)
-
-    def continues(self, prompt: list[int]) -> bool:
-        """True when ``prompt`` starts with this node's prompt + output."""
-        n_p, end = len(self.prompt), self.end
-        if end > len(prompt):
-            return False
-        if end and prompt[end - 1] != (self.output[-1] if self.output else self.prompt[-1]):
-            return False
-        return prompt[:n_p] == self.prompt and prompt[n_p:end] == self.output
+    def continues(self, prompt: bytes) -> bool:
+        """True when ``prompt`` (a blob of the same tag) starts with this node's prompt + output: its bytes
+        start with the prompt blob (tag included), then the output's values."""
+        return prompt.startswith(self.prompt) and prompt.startswith(memoryview(self.output)[1:], len(self.prompt))
 
 
 @dataclass(slots=True)
@@ -58,12 +54,12 @@ class Chain:
     nodes: list[Node]
 
 
-def find_parent(candidates: list[Node], prompt: list[int]) -> Node | None:
-    """The deepest candidate that ``prompt`` continues; on equal depth a childless one, then the
-    earliest. ``candidates`` are sorted by ``end`` descending (creation order within equal ends), so the
-    search stops at the first depth that matches."""
+def find_parent(candidates: list[Node], prompt: bytes, length: int) -> Node | None:
+    """The deepest candidate that ``prompt`` (a blob of ``length`` ids) continues; on equal depth a
+    childless one, then the earliest. ``candidates`` are sorted by ``end`` descending (creation order
+    within equal ends), so the search stops at the first depth that matches."""
     best: Node | None = None
-    for node in candidates[bisect.bisect_left(candidates, -len(prompt), key=lambda c: -c.end) :]:
+    for node in candidates[bisect.bisect_left(candidates, -length, key=lambda c: -c.end) :]:
         if best is not None and (node.end < best.end or not best.has_children):
             break
         if node.continues(prompt) and (best is None or (best.has_children and not node.has_children)):
@@ -76,7 +72,7 @@ def link(nodes_by_call: list[list[Node]]) -> list[Node]:
     nodes in creation order. Nodes of the same call never parent each other."""
     by_depth: list[Node] = []
     for siblings in nodes_by_call:
-        parent = find_parent(by_depth, siblings[0].prompt)
+        parent = find_parent(by_depth, siblings[0].prompt, siblings[0].start)
         for node in siblings:
             node.parent = parent
         if parent is not None:

@@ -22,7 +22,14 @@ from typing import Any
 
 import orjson
 
-from tracegym.gateway.store.codec import decode, decode_array, encode_floats, encode_ints
+from tracegym.gateway.store.codec import (
+    FLOAT_TAGS,
+    decode,
+    decode_array,
+    encode_floats,
+    encode_ints,
+    split_blob,
+)
 from tracegym.gateway.store.span_rows import JSON_NULL, json_text, text_checks
 from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan
 
@@ -273,37 +280,17 @@ def call_record_to_row(rec: CallRecord, *, trace_id: str, span_id: str, resource
     }
 
 
-def _split(flat: Any, lens: list[int | None]) -> list[Any]:
-    """``flat`` (a list or an array) cut into consecutive pieces of the given lengths (None: no piece)."""
-    if len(lens) == 1 and lens[0] is not None and flat is not None and len(flat) == lens[0]:
-        return [flat]  # the common n=1 call: no copy
-    out: list[Any] = []
-    pos = 0
-    for n in lens:
-        if n is None:
-            out.append(None)
-            continue
-        if flat is None or pos + n > len(flat):
-            raise ValueError("stored token array is shorter than the choices' lengths")
-        out.append(flat[pos : pos + n])
-        pos += n
-    return out
-
-
-def decoded_choices(row: dict, *, arrays: bool = False) -> list[dict] | None:
-    """Per-choice dicts with decoded output ids and logprobs (lists, or ``array``s with ``arrays``), or
-    None for a non-LLM span."""
+def decoded_choices(row: dict) -> list[dict] | None:
+    """Per-choice dicts with decoded output ids and logprobs, or None for a non-LLM span."""
     meta = row["attributes"].get(CHOICES)
     if not isinstance(meta, list):
         return None
-    dec = decode_array if arrays else decode
-    ids = _split(dec(row["output_ids"]), [c.get("n_output_ids") for c in meta])
-    lps = _split(dec(row["output_logprobs"]), [c.get("n_output_logprobs") for c in meta])
+    ids, lps = choice_blobs(meta, row["output_ids"], row["output_logprobs"])
     return [
         {
             "index": c["index"],
-            "output_ids": ids[i],
-            "output_logprobs": lps[i],
+            "output_ids": decode(ids[i]),
+            "output_logprobs": decode(lps[i]),
             "finish_reason": c.get("finish_reason"),
             "message": c.get("message"),
             "weight_versions": c.get("weight_versions") or [],
@@ -318,21 +305,18 @@ def is_call_attributes(a: dict) -> bool:
     return isinstance(a.get(CHOICES), list) and isinstance(a.get(REQUEST), dict) and CALL_ID in a
 
 
-def _choice_records(meta: list, output_blob: Any, logprob_blob: Any, arrays: bool) -> list[ChoiceRecord]:
-    dec = decode_array if arrays else decode
-    if len(meta) == 1:  # the common n=1 call: no splitting, no per-choice length lists
-        c = meta[0]
-        ids, lps = dec(output_blob), dec(logprob_blob)
-        n_ids, n_lps = c.get("n_output_ids"), c.get("n_output_logprobs")
-        if (n_ids is None) is (ids is None) and (n_lps is None) is (lps is None) and (
-                ids is None or len(ids) == n_ids) and (lps is None or len(lps) == n_lps):
-            wv = c.get("weight_versions")
-            return [ChoiceRecord(c["index"], ids, lps, c.get("finish_reason"), c.get("message"),
-                                 [WeightVersionSpan(v, s, e) for v, s, e in wv] if wv else [])]
-    ids = _split(dec(output_blob), [c.get("n_output_ids") for c in meta])
-    lps = _split(dec(logprob_blob), [c.get("n_output_logprobs") for c in meta])
+def choice_blobs(meta: list, output_blob: bytes | None, logprob_blob: bytes | None
+                 ) -> tuple[list[bytes | None], list[bytes | None]]:
+    """Each choice's output id blob and logprob blob, cut from a call's two columns by the lengths its
+    ``tracegym.choices`` entries record (ValueError for a malformed or too short blob)."""
+    return (split_blob(output_blob, [c.get("n_output_ids") for c in meta]),
+            split_blob(logprob_blob, [c.get("n_output_logprobs") for c in meta], FLOAT_TAGS))
+
+
+def _choice_records(meta: list, output_blob: Any, logprob_blob: Any) -> list[ChoiceRecord]:
+    ids, lps = choice_blobs(meta, output_blob, logprob_blob)
     return [
-        ChoiceRecord(c["index"], ids[i], lps[i], c.get("finish_reason"), c.get("message"),
+        ChoiceRecord(c["index"], decode(ids[i]), decode(lps[i]), c.get("finish_reason"), c.get("message"),
                      [WeightVersionSpan(v, s, e) for v, s, e in c.get("weight_versions") or ()])
         for i, c in enumerate(meta)
     ]
@@ -340,13 +324,11 @@ def _choice_records(meta: list, output_blob: Any, logprob_blob: Any, arrays: boo
 
 def call_record_from_values(a: dict, rollout_id: str | None, status: str, status_message: str | None,
                             start_time_ns: int, end_time_ns: int, prompt_blob: Any, output_blob: Any,
-                            logprob_blob: Any, *, arrays: bool = False) -> CallRecord:
+                            logprob_blob: Any) -> CallRecord:
     """Rebuild the CallRecord of an LLM call span (``is_call_attributes``) from its column values (the
-    assembly read path calls it once per span straight from the DBAPI tuple: no row dict, one lookup per
-    attribute). With ``arrays`` the token ids and logprobs are ``array.array``s (``i``/``q``, ``f``/``d``:
-    bit-exact, no Python object per value), which ``tracegym.gateway.assembly`` works on directly.
-    ``CallRecord`` is built positionally, in its field order (a third of the keyword call's cost; the
-    store round-trip tests compare every field)."""
+    store's record read calls it once per span straight from the DBAPI tuple: no row dict, one lookup per
+    attribute). ``CallRecord`` is built positionally, in its field order (a third of the keyword call's
+    cost; the store round-trip tests compare every field)."""
     get = a.get
     meta = get(CHOICES)
     error = get("tracegym.error")
@@ -358,8 +340,8 @@ def call_record_from_values(a: dict, rollout_id: str | None, status: str, status
     return CallRecord(
         a[CALL_ID], get(ROLLOUT_ID) or rollout_id, a["gen_ai.operation.name"], a["gen_ai.request.model"],
         upstream, a[REQUEST],
-        _choice_records(meta, output_blob, logprob_blob, arrays) if isinstance(meta, list) else [],
-        (decode_array if arrays else decode)(prompt_blob),
+        _choice_records(meta, output_blob, logprob_blob) if isinstance(meta, list) else [],
+        decode(prompt_blob),
         get("tracegym.task_id"), get("tracegym.agent_name"), get("tracegym.weight_version"),
         get("tracegym.drift", "none"), get("tracegym.prefix_len", 0), get("tracegym.retokenized", False),
         get("gen_ai.usage.input_tokens", 0), get("gen_ai.usage.output_tokens", 0), start_time_ns, end_time_ns,

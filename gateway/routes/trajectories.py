@@ -104,7 +104,7 @@ async def get_trajectory(rollout_id: str, request: Request) -> Response:
         rollout = store.get_rollout(rollout_id)
         if rollout is None:
             raise OpenAIError(404, f"unknown rollout {rollout_id!r}", param="rollout_id")
-        calls = store.list_call_records_many([rollout_id], arrays=True, with_request=False).get(rollout_id, [])
+        [(_, calls)] = store.iter_token_calls([rollout_id])
         return trajectory_json(_assemble(store, rollout, calls, opts, check))
 
     return Response(await run_in_threadpool(work), media_type="application/json")
@@ -164,8 +164,8 @@ def _lines(store: Any, first: list[dict], rest: Iterator[list[dict]], opts: Asse
     while page is not None:
         ids = [r["rollout_id"] for r in page]
         events = store.list_events_many(ids, kind="reward") if page else {}
-        # One rollout's records alive at a time (see ``Store.iter_call_records_many``).
-        calls = store.iter_call_records_many(ids, arrays=True, with_request=False)
+        # One rollout's calls alive at a time (see ``Store.iter_token_calls``).
+        calls = store.iter_token_calls(ids)
         for row, (rid, cs) in zip(page, calls, strict=True):
             traj = _assemble(store, row, cs, opts, check, events.get(rid, []))
             yield trajectory_json(traj) + b"\n"

@@ -77,3 +77,77 @@ def decode(blob: bytes | memoryview | None) -> list | None:
     """Inverse of ``encode_ints`` / ``encode_floats``; None stays None."""
     arr = decode_array(blob)
     return None if arr is None else arr.tolist()
+
+
+ITEMSIZE: dict[int, int] = {ord("i"): 4, ord("q"): 8, ord("f"): 4, ord("d"): 8}
+"""Bytes per value of each tag (keyed by the tag byte, as ``blob[0]`` gives it)."""
+ID_TAGS = frozenset((ord("i"), ord("q")))
+FLOAT_TAGS = frozenset((ord("f"), ord("d")))
+
+
+def blob_length(blob: bytes, tags: frozenset[int] = ID_TAGS) -> int:
+    """How many values ``blob`` holds; ValueError unless it is a well-formed blob with one of ``tags``.
+    The assembly works on blobs as they are (two blobs of one tag hold equal values exactly when their
+    bytes are equal, so prefixes compare with ``bytes.startswith``); this is their check."""
+    tag = blob[0] if blob else None
+    if tag not in tags:
+        raise ValueError("token array blob " + (f"has tag {chr(tag)!r}, expected one of "
+                         f"{', '.join(sorted(chr(t) for t in tags))}" if tag is not None else "is empty"))
+    n, rest = divmod(len(blob) - 1, ITEMSIZE[tag])
+    if rest:
+        raise ValueError(f"token array blob of {len(blob) - 1} bytes is not a whole number of {chr(tag)!r} values")
+    return n
+
+
+def blob_count(blob: bytes, tags: frozenset[int] = ID_TAGS) -> int:
+    """``blob_length`` without the exception: -1 for a malformed blob (the read path's quick check)."""
+    size = ITEMSIZE.get(blob[0]) if blob and blob[0] in tags else None
+    if size is None:
+        return -1
+    n, rest = divmod(len(blob) - 1, size)
+    return -1 if rest else n
+
+
+def split_blob(blob: bytes | None, counts: list[int | None], tags: frozenset[int] = ID_TAGS) -> list[bytes | None]:
+    """``blob`` (the concatenated values of several choices) cut into one blob per count, in order (None:
+    that choice has no array). ValueError when the blob is malformed or holds fewer values than the counts
+    add up to. The common single count equal to the blob's length returns ``blob`` itself (no copy)."""
+    if blob is None:
+        if any(n is not None for n in counts):
+            raise ValueError("stored token array is shorter than the choices' lengths")
+        return [None] * len(counts)
+    total = blob_length(blob, tags)
+    if len(counts) == 1 and counts[0] == total:
+        return [blob]
+    tag, size = blob[:1], ITEMSIZE[blob[0]]
+    out: list[bytes | None] = []
+    pos = 1
+    for n in counts:
+        if n is None:
+            out.append(None)
+            continue
+        stop = pos + n * size
+        if n < 0 or stop > len(blob):
+            raise ValueError("stored token array is shorter than the choices' lengths")
+        out.append(tag + blob[pos:stop])
+        pos = stop
+    return out
+
+
+def array_blob(values: Sequence[int] | Sequence[float] | array, floats: bool = False) -> bytes:
+    """The blob of a list or an ``array`` (``encode_ints`` / ``encode_floats`` for lists; an ``array`` of
+    ``i``/``q``/``f``/``d`` keeps its own type, copied as bytes)."""
+    if isinstance(values, array) and ord(values.typecode) in (FLOAT_TAGS if floats else ID_TAGS):
+        if _BIG_ENDIAN:
+            values = array(values.typecode, values)
+            values.byteswap()
+        return values.typecode.encode() + values.tobytes()
+    return encode_floats(values) if floats else encode_ints(values)  # type: ignore[arg-type]
+
+
+def widen_ids(blob: bytes) -> bytes:
+    """An ``i`` (int32) id blob as the ``q`` (int64) blob of the same values; a ``q`` blob as it is."""
+    if blob[0] == ord("q"):
+        return blob
+    values = decode_array(blob)
+    return b"q" + _packer("q", len(values)).pack(*values)  # type: ignore[arg-type]

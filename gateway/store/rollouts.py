@@ -23,25 +23,35 @@ TimeLike = float | str | datetime | None
 
 
 def rollout_dict(row: Any) -> dict[str, Any]:
-    """The Rollout JSON of docs/api.md from a ``rollouts`` row."""
-    m = row._mapping
+    """The Rollout JSON of docs/api.md from a whole ``rollouts`` row (``select(R)`` / ``returning(R)``:
+    its columns in table order, unpacked by position; a row of another shape raises ValueError)."""
+    (rollout_id, task_id, group_id, status, attempt, max_attempts, input_, reward, _reward_final, worker_id,
+     _lease_seconds, lease_expires_at, weight_version, error, _traceback, created_at, started_at,
+     finished_at) = row
     return {
-        "rollout_id": m["rollout_id"],
-        "task_id": m["task_id"],
-        "group_id": m["group_id"],
-        "status": m["status"],
-        "attempt": m["attempt"],
-        "max_attempts": m["max_attempts"],
-        "input": m["input"],
-        "reward": m["reward"],
-        "worker_id": m["worker_id"],
-        "lease_expires_at": iso(m["lease_expires_at"]),
-        "weight_version": m["weight_version"],
-        "error": m["error"],
-        "created_at": iso(m["created_at"]),
-        "started_at": iso(m["started_at"]),
-        "finished_at": iso(m["finished_at"]),
+        "rollout_id": rollout_id,
+        "task_id": task_id,
+        "group_id": group_id,
+        "status": status,
+        "attempt": attempt,
+        "max_attempts": max_attempts,
+        "input": input_,
+        "reward": reward,
+        "worker_id": worker_id,
+        "lease_expires_at": iso(lease_expires_at),
+        "weight_version": weight_version,
+        "error": error,
+        "created_at": iso(created_at),
+        "started_at": iso(started_at),
+        "finished_at": iso(finished_at),
     }
+
+
+_ROW_ORDER = ("rollout_id", "task_id", "group_id", "status", "attempt", "max_attempts", "input", "reward",
+              "reward_final", "worker_id", "lease_seconds", "lease_expires_at", "weight_version", "error",
+              "traceback", "created_at", "started_at", "finished_at")
+if tuple(R.columns.keys()) != _ROW_ORDER:
+    raise RuntimeError("rollout_dict unpacks the rollouts columns in table order: update it with the schema")
 
 
 def check_status(status: str | None) -> None:

@@ -1,9 +1,11 @@
-"""The read path of the assembly: CallRecords of many rollouts from one raw DBAPI query per page.
+"""The read path of the assembly: the calls of many rollouts from one raw DBAPI query per page, as
+``CallRecord``s or as the assembly's ``TokenCall``s.
 
 Why not SQLAlchemy Core here: per-row ``Row``/mapping work and parsing every JSON column (resource,
-events) cost more than the query itself. This selects only the columns a CallRecord needs, reads the
-attributes as raw JSON text and parses it once with orjson, and can hand the token arrays out as
-``array.array`` (``arrays=True``: no Python int per prompt token).
+events) cost more than the query itself. This selects only the columns a CallRecord needs and reads the
+attributes as raw JSON text, parsed once with orjson. ``token_calls`` builds no ``CallRecord``: it keeps
+the token columns as they are stored (blobs, see ``assembly_calls``) and reads only the attributes the
+assembly needs.
 
 ``with_request=False`` skips the request body (``tracegym.request``, the messages: most of a call's
 attributes); such records have ``request == {}``. Since migration 0003 the body has the ``request``
@@ -20,29 +22,44 @@ keys; anything else (another writer's key order) falls back to the full parse.
 
 from __future__ import annotations
 
-from array import array
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
+import msgspec
 import orjson
 
-from tracegym.gateway.spans import CALL_ID, CHOICES, REQUEST, call_record_from_values, is_call_attributes
+from tracegym.gateway.assembly_calls import TokenCall, TokenChoice, one_id_type
+from tracegym.gateway.spans import (
+    CALL_ID,
+    CHOICES,
+    REQUEST,
+    ROLLOUT_ID,
+    call_record_from_values,
+    is_call_attributes,
+)
+from tracegym.gateway.store.codec import FLOAT_TAGS, ID_TAGS, blob_count, blob_length, split_blob
 from tracegym.types import CallRecord
 
 PAGE_IDS = 500
 """Rollout ids per query (well under SQLite's bound-parameter limit)."""
 _COLUMNS = ("rollout_id", "source", "start_time_ns", "end_time_ns", "status", "status_message",
             "attributes", "prompt_ids", "output_ids", "output_logprobs", "request")
+"""The columns of a ``CallRecord`` read."""
+TOKEN_COLUMNS = ("rollout_id", "source", "start_time_ns", "status", "attributes", "prompt_ids", "output_ids",
+                 "output_logprobs", "request")
+"""The columns of a ``TokenCall`` read (always without the request: ``token_calls``)."""
 _REQ = (b',"' + REQUEST.encode() + b'":{', ',"' + REQUEST + '":{')
 _CHO = (b',"' + CHOICES.encode() + b'":[', ',"' + CHOICES + '":[')
 
 
-def select_sql(dialect: str, n_ids: int, with_request: bool = True) -> str:
-    """The page query: the columns of ``_COLUMNS`` (attributes as raw JSON text) of the spans of ``n_ids``
-    rollouts, ordered by rollout, start time, insertion. Without ``with_request`` the ``request`` column
-    is only tested for NULL: its bytes are not read."""
+def select_sql(dialect: str, n_ids: int, with_request: bool = True, columns: tuple[str, ...] = _COLUMNS) -> str:
+    """The page query: ``columns`` (attributes as raw JSON text) of the spans of ``n_ids`` rollouts, ordered
+    by rollout, start time, insertion. Without ``with_request`` the ``request`` column is only tested for
+    NULL: its bytes are not read."""
     attributes = "attributes::text" if dialect == "postgresql" else "CAST(attributes AS BLOB)"
     request = "request" if with_request else "request IS NOT NULL"
-    cols = ", ".join(attributes if c == "attributes" else request if c == "request" else c for c in _COLUMNS)
+    cols = ", ".join(attributes if c == "attributes" else request if c == "request" else c for c in columns)
     where = "rollout_id = ANY(%s)" if dialect == "postgresql" else f"rollout_id IN ({','.join('?' * n_ids)})"
     return f"SELECT {cols} FROM spans WHERE {where} ORDER BY rollout_id, start_time_ns, id"
 
@@ -88,67 +105,131 @@ def _call_attributes(source: str, text: bytes | str, request: Any, with_request:
     return attrs
 
 
-_INT64_TAG = ord("q")
-
-
-def _widen(calls: list[CallRecord]) -> None:
-    """Make every id array of a rollout ``q`` when one of them is (arrays of one type concatenate)."""
-    def q(a: Any) -> Any:
-        return array("q", a) if a is not None and a.typecode == "i" else a
-
-    for c in calls:
-        c.prompt_ids = q(c.prompt_ids)
-        for ch in c.choices:
-            ch.output_ids = q(ch.output_ids)
-
-
-def read_call_rows(raw: Any, dialect: str, rollout_ids: list[str], *, with_request: bool) -> dict[str, list[tuple]]:
-    """The raw column tuples (``_COLUMNS``) of the spans of ``rollout_ids``, grouped by rollout in start
-    order (rollouts without spans are absent), read on the raw DBAPI connection ``raw`` inside the caller's
-    transaction, ``PAGE_IDS`` rollouts per query. ``call_records`` turns one rollout's rows into records."""
+def read_call_rows(raw: Any, dialect: str, rollout_ids: list[str], *, with_request: bool,
+                   columns: tuple[str, ...] = _COLUMNS) -> dict[str, list[tuple]]:
+    """The raw column tuples (``columns``, the rollout id first) of the spans of ``rollout_ids``, grouped by
+    rollout in start order (rollouts without spans are absent), read on the raw DBAPI connection ``raw``
+    inside the caller's transaction, ``PAGE_IDS`` rollouts per query. ``call_records`` (``_COLUMNS``) and
+    ``token_calls`` (``TOKEN_COLUMNS``) turn one rollout's rows into calls."""
     out: dict[str, list[tuple]] = {}
     cur = raw.cursor()
     try:
         for start in range(0, len(rollout_ids), PAGE_IDS):
             page = rollout_ids[start : start + PAGE_IDS]
-            cur.execute(select_sql(dialect, len(page), with_request), (page,) if dialect == "postgresql" else page)
-            for row in cur.fetchall():
-                rows = out.get(row[0])
-                if rows is None:
-                    out[row[0]] = [row]
-                else:
-                    rows.append(row)
+            cur.execute(select_sql(dialect, len(page), with_request, columns),
+                        (page,) if dialect == "postgresql" else page)
+            # The rows come ordered by rollout: group them in C.
+            out.update((rid, list(rows)) for rid, rows in groupby(cur.fetchall(), itemgetter(0)))
     finally:
         cur.close()
     return out
 
 
-def call_records(rows: list[tuple], *, arrays: bool, with_request: bool) -> list[CallRecord]:
+def call_records(rows: list[tuple], *, with_request: bool) -> list[CallRecord]:
     """One rollout's ``CallRecord``s from its ``read_call_rows`` rows (read with the same ``with_request``;
-    agents' own OTLP spans skipped). With ``arrays``, the id arrays all take the widest type present (arrays
-    of one type concatenate)."""
+    agents' own OTLP spans skipped)."""
     out: list[CallRecord] = []
-    wide = False
     for rid, source, t0, t1, status, message, text, prompt, output, lps, request in rows:
         attrs = _call_attributes(source, text, request, with_request)
-        if attrs is None:
-            continue
-        out.append(call_record_from_values(attrs, rid, status, message, t0, t1, prompt, output, lps,
-                                           arrays=arrays))
-        if (prompt and prompt[0] == _INT64_TAG) or (output and output[0] == _INT64_TAG):
-            wide = True
-    if wide and arrays:
-        _widen(out)
+        if attrs is not None:
+            out.append(call_record_from_values(attrs, rid, status, message, t0, t1, prompt, output, lps))
     return out
 
 
-def read_call_records(raw: Any, dialect: str, rollout_ids: list[str], *, arrays: bool,
-                      with_request: bool) -> dict[str, list[CallRecord]]:
+class _ChoiceMeta(msgspec.Struct, gc=False):
+    """The part of a ``tracegym.choices`` entry the assembly reads (its message is skipped unparsed)."""
+
+    index: int
+    n_output_ids: int | None = None
+    n_output_logprobs: int | None = None
+    weight_versions: list[tuple[str, int, int]] | None = None
+
+
+class _CallMeta(msgspec.Struct, gc=False, rename={"call_id": CALL_ID, "choices": CHOICES, "rollout_id": ROLLOUT_ID,
+                                                   "agent_name": "tracegym.agent_name",
+                                                   "weight_version": "tracegym.weight_version",
+                                                   "retokenized": "tracegym.retokenized"}):
+    """The attributes of an LLM call span the assembly reads; every other key is skipped unparsed (no Python
+    object for the messages, usage or sampling settings)."""
+
+    call_id: str
+    choices: list[_ChoiceMeta]
+    rollout_id: str | None = None
+    agent_name: str | None = None
+    weight_version: str | None = None
+    retokenized: bool = False
+
+
+_decode_meta = msgspec.json.Decoder(_CallMeta, strict=False).decode
+
+
+def _older_call_meta(rid: str, source: str, text: bytes | str) -> _CallMeta | None:
+    """The call attributes of a row without a request column: an agent's own span (None), or a call
+    written before migration 0003, whose request body is inside its attributes."""
+    attrs = _call_attributes(source, text, None, False)
+    try:
+        return None if attrs is None else msgspec.convert(attrs, _CallMeta, strict=False)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"bad LLM call span in rollout {rid!r}: {e}") from None
+
+
+def _token_choices(meta: list[_ChoiceMeta], output: bytes | None, lps: bytes | None) -> list[TokenChoice]:
+    """A call's ``TokenChoice``s cut from its token columns by the lengths its ``tracegym.choices`` entries
+    record (``split_blob``, which raises ValueError for what does not match)."""
+    outputs = split_blob(output, [c.n_output_ids for c in meta])
+    logprobs = split_blob(lps, [c.n_output_logprobs for c in meta], FLOAT_TAGS)
+    return [TokenChoice(c.index, outputs[i], logprobs[i], [w[0] for w in c.weight_versions or ()])
+            for i, c in enumerate(meta)]
+
+
+def token_calls(rows: list[tuple]) -> list[TokenCall]:
+    """One rollout's ``TokenCall``s (what the assembly reads: the token columns as they are, no
+    ``CallRecord``) from its ``read_call_rows`` rows (``TOKEN_COLUMNS``); agents' own OTLP spans skipped.
+    ValueError for malformed call attributes, a malformed token blob or one that does not match its
+    choices' lengths. The id blobs take one type (``one_id_type``).
+
+    Once per span of every trajectory read: the common call (written since migration 0003, n=1, blobs
+    holding exactly the recorded lengths) takes one typed decode of its attributes and keeps its blobs
+    as they are, in the loop itself."""
+    out: list[TokenCall] = []
+    wide = False
+    for rid, source, t0, status, text, prompt, output, lps, request in rows:
+        if request:  # only call spans have the request column (since migration 0003)
+            try:
+                m = _decode_meta(text)
+            except msgspec.DecodeError as e:
+                raise ValueError(f"bad LLM call span in rollout {rid!r}: {e}") from None
+        else:
+            m = _older_call_meta(rid, source, text)
+            if m is None:
+                continue
+        if prompt is not None and blob_count(prompt, ID_TAGS) < 0:
+            blob_length(prompt)  # raises with the reason
+        meta = m.choices
+        c = meta[0] if len(meta) == 1 else None
+        if (c is not None and output is not None and lps is not None and blob_count(output, ID_TAGS) == c.n_output_ids
+                and blob_count(lps, FLOAT_TAGS) == c.n_output_logprobs):
+            wv = c.weight_versions
+            choices = [TokenChoice(c.index, output, lps, [w[0] for w in wv] if wv else [])]
+        else:
+            choices = _token_choices(meta, output, lps)
+        out.append(TokenCall(m.call_id, m.rollout_id or rid, m.agent_name, m.weight_version,
+                             "error" if status == "error" else "ok", m.retokenized, t0, prompt, choices))
+        if (prompt is not None and prompt[0] == _Q) or (output is not None and output[0] == _Q):
+            wide = True
+    return one_id_type(out) if wide else out
+
+
+_Q = ord("q")
+
+
+def read_call_records(raw: Any, dialect: str, rollout_ids: list[str], *, with_request: bool
+                      ) -> dict[str, list[CallRecord]]:
     """``{rollout_id: [CallRecord, ...]}`` in start order (rollouts without calls are absent); see
     ``read_call_rows``."""
     out = {}
     for rid, rows in read_call_rows(raw, dialect, rollout_ids, with_request=with_request).items():
-        calls = call_records(rows, arrays=arrays, with_request=with_request)
+        calls = call_records(rows, with_request=with_request)
         if calls:
             out[rid] = calls
     return out

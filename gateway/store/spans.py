@@ -9,13 +9,14 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
+from tracegym.gateway.assembly_calls import TokenCall
 from tracegym.gateway.spans import REQUEST, call_record_to_row, decoded_choices
 from tracegym.gateway.store.codec import decode
 from tracegym.gateway.store.db import Database
 from tracegym.gateway.store.rollouts import write_span_rollouts
 from tracegym.gateway.store.schema import spans as S
 from tracegym.gateway.store.span_insert import insert_postgresql, insert_sqlite
-from tracegym.gateway.store.span_reads import call_records, read_call_records, read_call_rows
+from tracegym.gateway.store.span_reads import TOKEN_COLUMNS, read_call_records, read_call_rows, token_calls
 from tracegym.gateway.store.span_rows import COLUMNS, SpanBatch
 from tracegym.types import CallRecord
 
@@ -82,26 +83,24 @@ class SpansMixin:
         """The rollout's LLM calls as ``CallRecord``s (bit-exact ids and logprobs), in start order."""
         return self.list_call_records_many([rollout_id]).get(rollout_id, [])
 
-    def list_call_records_many(self, rollout_ids: list[str], *, arrays: bool = False,
+    def list_call_records_many(self, rollout_ids: list[str], *,
                                with_request: bool = True) -> dict[str, list[CallRecord]]:
         """``list_call_records`` for several rollouts, one raw query per page of rollouts (rollouts
-        without calls are absent). For assembly: ``arrays=True`` hands token ids and logprobs out as
-        ``array.array`` (bit-exact; the ids of one rollout share one type), ``with_request=False`` leaves
-        the request body unread (``request == {}``), see ``span_reads``."""
+        without calls are absent). ``with_request=False`` leaves the request body unread
+        (``request == {}``), see ``span_reads``."""
         with self.db.read() as conn:
             return read_call_records(conn.connection.dbapi_connection, self.db.dialect, list(rollout_ids),
-                                     arrays=arrays, with_request=with_request)
+                                     with_request=with_request)
 
-    def iter_call_records_many(self, rollout_ids: list[str], *, arrays: bool = False,
-                               with_request: bool = True) -> Iterator[tuple[str, list[CallRecord]]]:
+    def iter_token_calls(self, rollout_ids: list[str]) -> Iterator[tuple[str, list[TokenCall]]]:
         """``(rollout_id, calls)`` for each of ``rollout_ids`` in that order (``[]`` for a rollout without
-        calls), as ``list_call_records_many`` reads them: the rows are read at once, in one transaction,
-        and each rollout's records are built only when it is reached. So a consumer that assembles one
-        rollout at a time keeps one rollout's records alive, not the page's (less for the garbage collector
-        to scan, and the token arrays are still in cache when they are compared)."""
+        calls): the rollout's LLM calls as the assembly reads them (``TokenCall``: token columns as
+        stored, no request body, no ``CallRecord``). The rows are read at once, in one transaction, and
+        each rollout's calls are built only when it is reached, so a consumer that assembles one rollout at
+        a time keeps one rollout's calls alive, not the page's (less for the garbage collector to scan,
+        and the blobs are still in cache when they are compared)."""
         with self.db.read() as conn:
             rows = read_call_rows(conn.connection.dbapi_connection, self.db.dialect, list(rollout_ids),
-                                  with_request=with_request)
+                                  with_request=False, columns=TOKEN_COLUMNS)
         empty: list[tuple] = []
-        return ((rid, call_records(rows.get(rid, empty), arrays=arrays, with_request=with_request))
-                for rid in rollout_ids)
+        return ((rid, token_calls(rows.get(rid, empty))) for rid in rollout_ids)

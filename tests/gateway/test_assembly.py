@@ -9,7 +9,13 @@ import numpy as np
 import orjson
 import pytest
 
-from tracegym.gateway.assembly import AssemblyOptions, assemble, assemble_rollout, check_invariants
+from tracegym.gateway.assembly import (
+    AssemblyOptions,
+    assemble,
+    assemble_rollout,
+    check_invariants,
+    token_calls,
+)
 from tracegym.gateway.assembly_invariants import InvariantError, _sequence_ok
 from tracegym.gateway.assembly_rewards import time_ns
 from tracegym.gateway.routes.trajectories import trajectory_json
@@ -228,8 +234,13 @@ def test_bad_options_and_bad_records_fail_loudly():
     bad.choices[0].output_logprobs = [-1.0]
     with pytest.raises(ValueError, match="2 output ids but 1 logprobs"):
         assemble([bad], rollout_id="r1")
-    with pytest.raises(ValueError, match="duplicate call_id"):
-        assemble([call("c1", [1], [10]), call("c1", [2], [3])], rollout_id="r1")
+    for second in ([2], [1, 10, 5]):  # a new conversation, and one continuing the first call's
+        with pytest.raises(ValueError, match="duplicate call_id"):
+            assemble([call("c1", [1], [10]), call("c1", second, [3])], rollout_id="r1")
+    longer = call("c2", [1, 10, 11, 5], [12, 13])
+    longer.choices[0].output_logprobs = [-1.0, -2.0, -3.0]
+    with pytest.raises(ValueError, match="c2 choice 0: 2 output ids but 3 logprobs"):
+        assemble([call("c1", [1], [10, 11]), longer], rollout_id="r1")
 
 
 @pytest.mark.parametrize(
@@ -291,8 +302,8 @@ def test_assembled_sequences_are_packed_and_read_as_lists(arrays):
     seq = traj.sequences[0]
     ids, mask, lps = seq.packed()
     assert all(isinstance(a, np.ndarray) for a in (ids, mask, lps))
-    assert ids.dtype == (np.int32 if arrays else np.int64) and mask.dtype == np.int8
-    assert _sequence_ok(seq, {(c.call_id, 0): (c, c.choices[0]) for c in calls})  # the fast check passes
+    assert ids.dtype == np.int32 and mask.dtype == np.int8  # ids that fit int32 are packed so, as the store does
+    assert _sequence_ok(seq, {(c.call_id, 0): (c, c.choices[0]) for c in token_calls(calls)})  # the fast check
     check_invariants(calls, traj)
     assert trajectory_json(traj) == orjson.dumps(traj.to_dict())  # arrays serialize as the lists would
     assert seq.token_ids == [1, 2, 3, 10, 11, 50, 51, 12]

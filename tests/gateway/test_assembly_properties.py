@@ -13,7 +13,13 @@ from unittest import mock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracegym.gateway.assembly import AssemblyOptions, assemble, check_invariants, exclusion_reason
+from tracegym.gateway.assembly import (
+    AssemblyOptions,
+    assemble,
+    check_invariants,
+    exclusion_reason,
+    token_calls,
+)
 from tracegym.gateway.assembly_invariants import InvariantError
 from tracegym.types import CallRecord, ChoiceRecord
 
@@ -134,7 +140,10 @@ def test_merge_is_maximal_one_sequence_per_branch_end(calls):
     traj = assemble(calls, rollout_id="r", options=opts)
     check_invariants(calls, traj)
     trained = [
-        (i, c, ch) for i, c in enumerate(calls) for ch in c.choices if not exclusion_reason(c, ch, opts)
+        (i, c, ch)
+        for i, (c, tc) in enumerate(zip(calls, token_calls(calls), strict=True))
+        for ch, tch in zip(c.choices, tc.choices, strict=True)
+        if not exclusion_reason(tc, tch, opts)
     ]
 
     def continued(i: int, c: CallRecord, ch: ChoiceRecord) -> bool:
@@ -156,18 +165,21 @@ def test_per_call_mode_makes_one_sequence_per_trained_choice(calls, opts):
     check_invariants(calls, traj)
     assert all(len(s.call_ids) == 1 for s in traj.sequences)
     assert len(traj.sequences) == sum(
-        1 for c in calls for ch in c.choices if exclusion_reason(c, ch, opts) is None
+        1 for c in token_calls(calls) for ch in c.choices if exclusion_reason(c, ch, opts) is None
     )
 
 
 @st.composite
 def mostly_linear(draw: st.DrawFn) -> list[CallRecord]:
     """Agent runs that usually extend their last call (the fast path's case), sometimes branch, retry,
-    sample n > 1 or add empty outputs: where the fast path must step aside."""
+    sample n > 1, add empty outputs, switch agent, or make a call that is not trained by default
+    (retokenized, no logprobs, error): where the fast path must step aside."""
     calls: list[CallRecord] = []
     last: dict[str | None, list[int]] = {}
     for i in range(draw(st.integers(1, 8))):
-        agent = draw(st.sampled_from(["a", "a", "a", "b"]))
+        agent = draw(st.sampled_from(["a"] * 9 + ["b"]))
+        flag = draw(st.sampled_from([None] * 12 + ["retokenized", "no_logprobs", "status"]))
+        flags: dict[str, Any] = {} if flag is None else {flag: "error" if flag == "status" else True}
         head = last.get(agent, [])
         kind = draw(st.sampled_from(["extend"] * 6 + ["retry", "cut", "n2", "empty"]))
         new = draw(st.lists(st.integers(0, 5), max_size=3))
@@ -176,7 +188,7 @@ def mostly_linear(draw: st.DrawFn) -> list[CallRecord]:
         prompt = head + new if kind != "retry" else head
         outs = [draw(st.lists(st.integers(0, 5), min_size=0 if kind == "empty" else 1, max_size=3))
                 for _ in range(2 if kind == "n2" else 1)]
-        calls.append(_record(i, prompt, outs, agent=agent))
+        calls.append(_record(i, prompt, outs, agent=agent, **flags))
         last[agent] = prompt + outs[0]
     return calls
 
@@ -184,10 +196,10 @@ def mostly_linear(draw: st.DrawFn) -> list[CallRecord]:
 @SETTINGS
 @given(st.one_of(mostly_linear(), rollouts()), options)
 def test_linear_fast_path_equals_the_tree_search(calls, opts):
-    """``assemble``'s shortcut for runs that extend their last call gives exactly what the general prefix
-    tree gives (the tree search forced by disabling the shortcut)."""
+    """``assemble``'s shortcut for a single agent run that extends its last call gives exactly what the
+    general prefix tree gives (the tree search forced by disabling the shortcut)."""
     fast = assemble(calls, rollout_id="r", reward=1.0, options=opts)
-    with mock.patch("tracegym.gateway.assembly._linear_chain", return_value=None):
+    with mock.patch("tracegym.gateway.assembly._single_run", return_value=None):
         tree = assemble(calls, rollout_id="r", reward=1.0, options=opts)
     assert fast == tree
     check_invariants(calls, fast)

@@ -1,18 +1,18 @@
-"""The assembly read path of the store (SQLite and PostgreSQL): CallRecords with ``array`` token ids and
-without the request body equal the default read, request-cutting is exact or falls back, and events of
-many rollouts come in one call."""
+"""The assembly read path of the store (SQLite and PostgreSQL): CallRecords without the request body and
+the assembly's ``TokenCall``s equal the default read, request-cutting is exact or falls back, and events
+of many rollouts come in one call."""
 
 from __future__ import annotations
-
-from array import array
 
 import orjson
 import pytest
 import sqlalchemy as sa
 
 from tests.gateway.test_store_helpers import make_record
+from tracegym.gateway.assembly_calls import TokenCall, token_calls
 from tracegym.gateway.spans import CHOICES, REQUEST, call_record_store_row
 from tracegym.gateway.store import Store
+from tracegym.gateway.store.codec import decode
 from tracegym.gateway.store.schema import spans as S
 from tracegym.gateway.store.span_reads import attributes_without_request
 from tracegym.gateway.store.span_rows import COLUMNS, json_text
@@ -21,13 +21,18 @@ from tracegym.types import CallRecord
 TRICKY = ',"tracegym.choices":[{"x":1}],"tracegym.request":{"y":2}'
 
 
-def _as_lists(rec: CallRecord) -> dict:
-    d = rec.to_dict()
-    d["prompt_ids"] = None if rec.prompt_ids is None else rec.prompt_ids.tolist()
-    for ch, cd in zip(rec.choices, d["choices"], strict=True):
-        cd["output_ids"] = None if ch.output_ids is None else ch.output_ids.tolist()
-        cd["output_logprobs"] = None if ch.output_logprobs is None else ch.output_logprobs.tolist()
+def _token_dict(call: TokenCall) -> dict:
+    """A ``TokenCall``'s fields with its blobs decoded (lists) and their type tags."""
+    d = {name: getattr(call, name) for name in TokenCall.__struct_fields__ if name not in ("choices", "prompt")}
+    d["prompt"] = decode(call.prompt)
+    d["choices"] = [{"index": ch.index, "output": decode(ch.output), "logprobs": decode(ch.logprobs),
+                     "versions": ch.versions} for ch in call.choices]
+    d["tags"] = {b[:1] for b in [call.prompt, *(ch.output for ch in call.choices)] if b is not None}
     return d
+
+
+def _token_calls(store: Store, ids: list[str]) -> dict[str, list[dict]]:
+    return {rid: [_token_dict(c) for c in calls] for rid, calls in store.iter_token_calls(ids)}
 
 
 def _records() -> list[CallRecord]:
@@ -47,23 +52,38 @@ def _records() -> list[CallRecord]:
     return recs
 
 
-def test_array_read_without_request_equals_the_default_read(store: Store):
+def test_reads_without_request_and_token_calls_equal_the_default_read(store: Store):
     recs = _records()
     store.insert_call_records(recs)
-    full = store.list_call_records_many(["ro-1", "ro-2", "ro-none"])
-    fast = store.list_call_records_many(["ro-1", "ro-2", "ro-none"], arrays=True, with_request=False)
+    ids = ["ro-1", "ro-2", "ro-none"]
+    full = store.list_call_records_many(ids)
+    fast = store.list_call_records_many(ids, with_request=False)
     assert full.keys() == fast.keys() == {"ro-1", "ro-2"}
     assert [c.to_dict() for c in full["ro-1"]] == [r.to_dict() for r in recs[:4]]
     for rid in full:
-        for f, a in zip(full[rid], fast[rid], strict=True):
-            assert a.request == {}
-            assert _as_lists(a) == {**f.to_dict(), "request": {}}
-    assert fast["ro-1"][0].prompt_ids.typecode == "i"
-    # one int64 prompt widens every id array of its rollout to int64 (arrays of one type concatenate)
-    assert {c.prompt_ids.typecode for c in fast["ro-2"]} == {"q"}
-    assert {ch.output_ids.typecode for c in fast["ro-2"] for ch in c.choices} == {"q"}
-    with_request = store.list_call_records_many(["ro-1"], arrays=True)
-    assert [c.request for c in with_request["ro-1"]] == [r.request for r in recs[:4]]
+        assert [c.to_dict() for c in fast[rid]] == [{**f.to_dict(), "request": {}} for f in full[rid]]
+    tokens = _token_calls(store, ids)
+    assert list(tokens) == ids and tokens["ro-none"] == []
+    for rid in full:  # the same calls, as the assembly reads them
+        assert tokens[rid] == [_token_dict(c) for c in token_calls(full[rid])]
+    assert {t for c in tokens["ro-1"] for t in c["tags"]} == {b"i"}
+    # one int64 prompt makes every id blob of its rollout int64 (blobs of one type compare as bytes)
+    assert {t for c in tokens["ro-2"] for t in c["tags"]} == {b"q"}
+    assert [c["prompt"] for c in tokens["ro-2"]] == [r.prompt_ids for r in recs[4:]]
+
+
+def test_token_calls_refuse_blobs_that_do_not_match_their_choices(store: Store):
+    store.insert_call_records([make_record(0), make_record(1, n=2)])
+    with store.db.write() as conn:  # one id too few in the n=1 call, an odd byte in the n=2 call's logprobs
+        conn.execute(S.update().where(S.c.call_id == "chatcmpl-0-0").values(output_ids=sa.func.substr(
+            S.c.output_ids, 1, sa.func.length(S.c.output_ids) - 4)))
+    with pytest.raises(ValueError, match="shorter than the choices"):
+        next(store.iter_token_calls(["ro-1"]))
+    with store.db.write() as conn:
+        conn.execute(S.delete().where(S.c.call_id == "chatcmpl-0-0"))
+        conn.execute(S.update().values(output_logprobs=sa.func.substr(S.c.output_logprobs, 1, 6)))
+    with pytest.raises(ValueError, match="whole number"):
+        next(store.iter_token_calls(["ro-1"]))
 
 
 def _old_layout(attrs: dict, request: dict) -> dict:
@@ -100,10 +120,10 @@ def test_request_cut_is_exact_or_declines():
 
 def _reads(store: Store, ids: list[str]) -> tuple:
     full = store.list_call_records_many(ids)
-    fast = store.list_call_records_many(ids, arrays=True, with_request=False)
+    fast = store.list_call_records_many(ids, with_request=False)
     spans = {rid: store.list_spans(rid) for rid in ids}
     return ({k: [c.to_dict() for c in v] for k, v in full.items()},
-            {k: [_as_lists(c) for c in v] for k, v in fast.items()}, spans)
+            {k: [c.to_dict() for c in v] for k, v in fast.items()}, _token_calls(store, ids), spans)
 
 
 def test_rows_from_before_the_request_column_read_the_same(store: Store):
@@ -114,7 +134,7 @@ def test_rows_from_before_the_request_column_read_the_same(store: Store):
     ids = ["ro-1", "ro-2"]
     before = _reads(store, ids)
     assert [c["request"] for c in before[0]["ro-1"]] == [r.request for r in recs[:4]]
-    assert all(REQUEST in s["attributes"] for spans in before[2].values() for s in spans)
+    assert all(REQUEST in s["attributes"] for spans in before[3].values() for s in spans)
     with store.db.write() as conn:
         rows = conn.execute(sa.select(S.c.id, S.c.attributes, S.c.request)).all()
         assert rows and all(r.request is not None and REQUEST not in r.attributes for r in rows)
@@ -137,7 +157,7 @@ def test_events_of_many_rollouts(store: Store):
         store.list_events_many(["ro-a"], kind="nope")
 
 
-def test_array_records_assemble_to_the_same_trajectory_json(store: Store):
+def test_token_calls_assemble_to_the_same_trajectory_json(store: Store):
     from tracegym.gateway.assembly import assemble, check_invariants
     from tracegym.gateway.routes.trajectories import trajectory_json
 
@@ -148,8 +168,9 @@ def test_array_records_assemble_to_the_same_trajectory_json(store: Store):
         prompt = prompt + rec.choices[0].output_ids + [7, 8]
     store.insert_call_records(recs)
     lists = store.list_call_records("ro-1")
-    arrays = store.list_call_records_many(["ro-1"], arrays=True, with_request=False)["ro-1"]
-    assert isinstance(arrays[0].prompt_ids, array)
-    a, b = assemble(lists, rollout_id="ro-1"), assemble(arrays, rollout_id="ro-1")
-    check_invariants(arrays, b)
+    [(_, tokens)] = store.iter_token_calls(["ro-1"])
+    assert all(type(c) is TokenCall for c in tokens)
+    a, b = assemble(lists, rollout_id="ro-1"), assemble(tokens, rollout_id="ro-1")
+    check_invariants(tokens, b)
+    check_invariants(lists, b)
     assert len(b.sequences) == 1 and trajectory_json(a) == trajectory_json(b) == orjson.dumps(b.to_dict())

@@ -104,11 +104,14 @@ def _check_sequence(si: int, seq: Sequence, choices: Choices) -> list[tuple[str,
 def _ids_bytes(ids: Any, tag: int) -> bytes | None:
     """The sequence's ids packed as values of the blob tag ``tag`` (numpy arrays or lists), or None when
     one does not fit that type (then no blob of that tag can match them)."""
+    dtype = DTYPES[tag]
     if isinstance(ids, np.ndarray):
-        if ids.dtype.kind not in "iu" or (ids.size and not (np.iinfo(DTYPES[tag]).min <= ids.min()
-                                                            and ids.max() <= np.iinfo(DTYPES[tag]).max)):
+        if ids.dtype == dtype:  # as assembled
+            return ids.tobytes()
+        if ids.dtype.kind not in "iu" or (ids.size and not (np.iinfo(dtype).min <= ids.min()
+                                                            and ids.max() <= np.iinfo(dtype).max)):
             return None
-        return ids.astype(DTYPES[tag], copy=False).tobytes()
+        return ids.astype(dtype).tobytes()
     try:
         return struct.pack(f"<{len(ids)}{chr(tag)}", *ids)
     except struct.error:  # an id outside this type's range, or not an int
@@ -129,9 +132,9 @@ def _trained(seq: Sequence, choices: Choices) -> list[tuple[TokenCall, TokenChoi
 def _sequence_ok(seq: Sequence, choices: Choices) -> bool:
     """True when ``seq`` keeps every promise ``_check_sequence`` verifies, checked at C speed: each call's
     prompt and output ids compared as bytes (``memcmp``) at their offsets in the sequence's ids packed as
-    the blobs' type, then the whole mask and logprobs against the ones the calls imply (NaN where None).
-    Never True for a sequence ``_check_sequence`` rejects; False defers to it for the message (and for
-    retokenized sequences, which it alone checks)."""
+    the blobs' type; the mask, as bytes, against the one the calls imply; the logprobs, bit for bit, against
+    the engine's on the sampled tokens and NaN elsewhere. Never True for a sequence ``_check_sequence``
+    rejects; False defers to it for the message (and for retokenized sequences, which it alone checks)."""
     if seq.retokenized or not seq.call_ids or len(seq.call_ids) != len(seq.choice_indices):
         return False
     ids, mask, lps = seq.packed()
@@ -146,8 +149,8 @@ def _sequence_ok(seq: Sequence, choices: Choices) -> bool:
     if raw is None:
         return False
     size = ITEMSIZE[tag]
-    expected_mask = np.zeros(n, dtype=np.int8)
-    expected_lps = np.full(n, np.nan)
+    expected_mask = bytearray(n)
+    engine_blobs: list[bytes] = []
     prev_end = 0
     for call, choice in trained:
         prompt, out, engine = call.prompt, choice.output, choice.logprobs
@@ -159,21 +162,35 @@ def _sequence_ok(seq: Sequence, choices: Choices) -> bool:
             return False
         if not (raw.startswith(payload(prompt)) and raw.startswith(payload(out), start * size)):
             return False
-        expected_mask[start:end] = 1
-        expected_lps[start:end] = values(engine)
+        expected_mask[start:end] = b"\x01" * (end - start)
+        engine_blobs.append(engine)
         prev_end = end
-    return prev_end == n and _equal(mask, expected_mask) and _equal(lps, expected_lps)
+    return prev_end == n and _mask_ok(mask, expected_mask) and _logprobs_ok(lps, expected_mask, engine_blobs)
 
 
-def _equal(got: Any, expected: np.ndarray) -> bool:
-    """A sequence's mask or logprobs (packed, or read as a list) equals what the calls imply: an int mask,
-    float64 logprobs with NaN where the list has None."""
-    if isinstance(got, np.ndarray):
-        if expected.dtype == np.float64:
-            return got.dtype == np.float64 and np.array_equal(got, expected, equal_nan=True)
-        return got.dtype.kind in "iu" and np.array_equal(got, expected)
-    want = expected.tolist()
-    return got == ([None if x != x else x for x in want] if expected.dtype == np.float64 else want)
+def _mask_ok(mask: Any, expected: bytearray) -> bool:
+    """The sequence's mask (packed or a list) is ``expected`` (one 0/1 byte per token)."""
+    if isinstance(mask, np.ndarray):
+        if mask.dtype == np.int8:  # as assembled
+            return mask.tobytes() == expected
+        return mask.dtype.kind in "iu" and np.array_equal(mask, np.frombuffer(expected, dtype=np.int8))
+    return mask == list(expected)
+
+
+def _logprobs_ok(lps: Any, mask: bytearray, engine: list[bytes]) -> bool:
+    """The sequence's logprobs are the engine's (``engine``: the trained outputs' blobs, in order) where
+    ``mask`` is 1 and NaN (None) elsewhere. Packed float64 logprobs are compared bit for bit with the NaN
+    the assembly writes (another NaN, or a -0.0 for 0.0, defers to the list check)."""
+    expected = np.empty(len(mask))
+    expected.fill(np.nan)
+    sampled = np.frombuffer(mask, dtype=np.bool_)
+    if all(b[0] == engine[0][0] for b in engine):
+        expected[sampled] = np.frombuffer(b"".join([payload(b) for b in engine]), dtype=DTYPES[engine[0][0]])
+    else:
+        expected[sampled] = np.concatenate([values(b) for b in engine]).astype(np.float64)
+    if isinstance(lps, np.ndarray):
+        return lps.dtype == np.float64 and lps.tobytes() == expected.tobytes()
+    return lps == [None if x != x else x for x in expected.tolist()]
 
 
 def check_invariants(calls: list[CallRecord] | list[TokenCall], trajectory: Trajectory) -> None:

@@ -1,15 +1,18 @@
 """Trajectory assembly: a rollout's LLM calls → token-exact training sequences.
 
 Input: the rollout's calls in start order (prompt ids, output ids, engine logprobs, agent name, status):
-``CallRecord``s, or the ``TokenCall``s the store's assembly read makes without them. Output: a ``Trajectory`` whose sequences carry ``token_ids``, ``loss_mask`` (1 exactly on sampled
-tokens), ``logprobs`` (the engine's on sampled tokens, None elsewhere), the weight versions that sampled
-them and the rollout's reward.
+``CallRecord``s, or the ``TokenCall``s the store's assembly read makes without them. Output: a
+``Trajectory`` whose sequences carry ``token_ids``, ``loss_mask`` (1 exactly on sampled tokens),
+``logprobs`` (the engine's on sampled tokens, None elsewhere), the weight versions that sampled them and
+the rollout's reward.
 
 Merge mode groups calls by agent name; within an agent a call extends whichever earlier branch its
-prompt starts with (see ``assembly_tree``); otherwise it starts a new sequence. Per-call mode makes one
-sequence per call choice. Calls that cannot be trained on-policy (retokenized, no engine logprobs, no
-ids, error status, agent not selected) are left out and listed in ``Trajectory.excluded``; options bring
-retokenized and error calls back (flagged). ``check_invariants`` verifies the result.
+prompt starts with (see ``assembly_tree``); otherwise it starts a new sequence. The usual rollout, one
+agent whose every call continues the one before, takes a shortcut to the same result (``_single_run``).
+Per-call mode makes one sequence per call choice. Calls that cannot be trained on-policy (retokenized, no
+engine logprobs, no ids, error status, agent not selected) are left out and listed in
+``Trajectory.excluded``; options bring retokenized and error calls back (flagged). ``check_invariants``
+verifies the result.
 
 The work is on token blobs (``assembly_calls``): prefixes compare as bytes, a sequence's ids are one
 joined buffer, and the logprobs of its sampled tokens another. Sequences are built as packed numpy arrays
@@ -32,8 +35,8 @@ from tracegym.gateway.assembly_tree import Chain, Node, chains, link, single_cha
 from tracegym.gateway.store.codec import ITEMSIZE
 from tracegym.types import CallRecord, Sequence, Trajectory
 
-__all__ = ["AssemblyOptions", "TokenCall", "assemble", "assemble_rollout", "check_invariants", "exclusion_reason",
-           "token_calls"]
+__all__ = ["AssemblyOptions", "TokenCall", "assemble", "assemble_rollout", "check_invariants",
+           "exclusion_reason", "token_calls"]
 
 
 def exclusion_reason(call: TokenCall, choice: TokenChoice, options: AssemblyOptions) -> str | None:
@@ -74,7 +77,9 @@ def _collect(
             if lps is not None and count(lps) != end - start:
                 raise ValueError(f"call {call.call_id} choice {choice.index}: {end - start} output ids but "
                                  f"{count(lps)} logprobs")
-            siblings.append(Node(pos, call, choice, prompt, out, None if retok else lps, retok, start, end))  # type: ignore[arg-type]
+            node = Node(pos, call, choice, prompt, out, None if retok else lps,  # type: ignore[arg-type]
+                        retok, start, end)
+            siblings.append(node)
         if siblings:
             groups.setdefault(call.agent_name, []).append(siblings)
     return groups, excluded
@@ -96,7 +101,6 @@ def _single_run(calls: list[TokenCall], options: AssemblyOptions) -> Sequence | 
     logprobs: list[bytes] = []
     call_ids: list[str] = []
     indices: list[int] = []
-    versions: list[str] = []  # the weight versions that sampled the outputs, in first-seen order
     prompt = output = b""
     for call in calls:
         if len(call.choices) != 1 or call.agent_name != agent or call.status != "ok" or call.retokenized:
@@ -118,12 +122,21 @@ def _single_run(calls: list[TokenCall], options: AssemblyOptions) -> Sequence | 
         logprobs.append(lps)
         call_ids.append(call.call_id)
         indices.append(choice.index)
+    if len(set(call_ids)) != len(call_ids):
+        return None  # the general path names the duplicate
+    return Sequence(*_packed(prompt, output, starts, ends, logprobs), agent,
+                    _versions((call, call.choices[0]) for call in calls), call_ids, indices, False)
+
+
+def _versions(trained: Iterable[tuple[TokenCall, TokenChoice]]) -> list[str]:
+    """The weight versions that sampled the trained outputs, in first-seen order (a choice's own, else its
+    call's)."""
+    versions: list[str] = []
+    for call, choice in trained:
         for v in choice.versions or (call.weight_version,):
             if v is not None and v not in versions:
                 versions.append(v)
-    if len(set(call_ids)) != len(call_ids):
-        return None  # the general path names the duplicate
-    return Sequence(*_packed(prompt, output, starts, ends, logprobs), agent, versions, call_ids, indices, False)
+    return versions
 
 
 def _packed(prompt: bytes, output: bytes, starts: list[int], ends: list[int], logprobs: list[bytes | None]
@@ -145,8 +158,9 @@ def _packed(prompt: bytes, output: bytes, starts: list[int], ends: list[int], lo
     if all(b is not None and b[0] == tag for b in logprobs):
         # The sampled positions, in order, are the outputs one after another: one joined buffer of their
         # logprobs fills them all (no numpy call per output).
-        lps[np.frombuffer(mask, dtype=np.bool_)] = np.frombuffer(b"".join([b[1:] for b in logprobs]),  # type: ignore[index]
-                                                                 dtype=DTYPES[tag])  # type: ignore[index]
+        joined = b"".join([b[1:] for b in logprobs])  # type: ignore[index]
+        sampled = np.frombuffer(mask, dtype=np.bool_)
+        lps[sampled] = np.frombuffer(joined, dtype=DTYPES[tag])  # type: ignore[index]
     else:
         for start, end, blob in zip(starts, ends, logprobs, strict=True):
             if blob is not None and end > start:
@@ -157,16 +171,12 @@ def _packed(prompt: bytes, output: bytes, starts: list[int], ends: list[int], lo
 def _sequence(chain: Chain) -> Sequence:
     """The sequence of a chain of nodes (each continues the one before it)."""
     nodes = chain.nodes
-    versions: list[str] = []  # the weight versions that sampled the outputs, in first-seen order
-    for node in nodes:
-        for v in node.choice.versions or (node.call.weight_version,):
-            if v is not None and v not in versions:
-                versions.append(v)
     last = nodes[-1]
     return Sequence(*_packed(last.prompt, last.output, [n.start for n in nodes], [n.end for n in nodes],
                              [n.logprobs for n in nodes]),
-                    nodes[0].call.agent_name, versions, [n.call.call_id for n in nodes],
-                    [n.choice.index for n in nodes], any(n.retokenized for n in nodes))
+                    nodes[0].call.agent_name, _versions((n.call, n.choice) for n in nodes),
+                    [n.call.call_id for n in nodes], [n.choice.index for n in nodes],
+                    any(n.retokenized for n in nodes))
 
 
 def assemble(

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
-from tracegym.gateway.store.codec import array_blob, widen_ids
+from tracegym.gateway.store.codec import ITEMSIZE, array_blob, widen_ids
 from tracegym.types import CallRecord
 
 DTYPES: dict[int, np.dtype] = {ord(t): np.dtype("<" + d) for t, d in (("i", "i4"), ("q", "i8"), ("f", "f4"),
@@ -95,15 +95,13 @@ def token_calls(calls: Iterable[CallRecord | TokenCall]) -> list[TokenCall]:
     calls = list(calls)
     if all(type(c) is TokenCall for c in calls):
         return calls  # type: ignore[return-value]
-    return one_id_type([c if type(c) is TokenCall else _record_call(c) for c in calls])  # type: ignore[arg-type]
+    converted = [c if type(c) is TokenCall else _record_call(c) for c in calls]  # type: ignore[arg-type]
+    return one_id_type(converted)
 
 
 def count(blob: bytes | None) -> int:
     """Values in a well-formed blob (0 for None); the caller has checked it (``codec.blob_length``)."""
-    return 0 if blob is None else (len(blob) - 1) // (8 if blob[0] in _WIDE else 4)
-
-
-_WIDE = frozenset((ord("q"), ord("d")))
+    return 0 if blob is None else (len(blob) - 1) // ITEMSIZE[blob[0]]
 
 
 def values(blob: bytes) -> np.ndarray:

@@ -43,7 +43,8 @@ class Node:
     def continues(self, prompt: bytes) -> bool:
         """True when ``prompt`` (a blob of the same tag) starts with this node's prompt + output: its bytes
         start with the prompt blob (tag included), then the output's values."""
-        return prompt.startswith(self.prompt) and prompt.startswith(memoryview(self.output)[1:], len(self.prompt))
+        n = len(self.prompt)
+        return prompt.startswith(self.prompt) and prompt.startswith(memoryview(self.output)[1:], n)
 
 
 @dataclass(slots=True)

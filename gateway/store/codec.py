@@ -95,7 +95,8 @@ def blob_length(blob: bytes, tags: frozenset[int] = ID_TAGS) -> int:
                          f"{', '.join(sorted(chr(t) for t in tags))}" if tag is not None else "is empty"))
     n, rest = divmod(len(blob) - 1, ITEMSIZE[tag])
     if rest:
-        raise ValueError(f"token array blob of {len(blob) - 1} bytes is not a whole number of {chr(tag)!r} values")
+        raise ValueError(f"token array blob of {len(blob) - 1} bytes is not a whole number of "
+                         f"{chr(tag)!r} values")
     return n
 
 
@@ -108,7 +109,8 @@ def blob_count(blob: bytes, tags: frozenset[int] = ID_TAGS) -> int:
     return -1 if rest else n
 
 
-def split_blob(blob: bytes | None, counts: list[int | None], tags: frozenset[int] = ID_TAGS) -> list[bytes | None]:
+def split_blob(blob: bytes | None, counts: list[int | None],
+               tags: frozenset[int] = ID_TAGS) -> list[bytes | None]:
     """``blob`` (the concatenated values of several choices) cut into one blob per count, in order (None:
     that choice has no array). ValueError when the blob is malformed or holds fewer values than the counts
     add up to. The common single count equal to the blob's length returns ``blob`` itself (no copy)."""

@@ -53,7 +53,8 @@ _REQ = (b',"' + REQUEST.encode() + b'":{', ',"' + REQUEST + '":{')
 _CHO = (b',"' + CHOICES.encode() + b'":[', ',"' + CHOICES + '":[')
 
 
-def select_sql(dialect: str, n_ids: int, with_request: bool = True, columns: tuple[str, ...] = _COLUMNS) -> str:
+def select_sql(dialect: str, n_ids: int, with_request: bool = True,
+               columns: tuple[str, ...] = _COLUMNS) -> str:
     """The page query: ``columns`` (attributes as raw JSON text) of the spans of ``n_ids`` rollouts, ordered
     by rollout, start time, insertion. Without ``with_request`` the ``request`` column is only tested for
     NULL: its bytes are not read."""
@@ -145,10 +146,11 @@ class _ChoiceMeta(msgspec.Struct, gc=False):
     weight_versions: list[tuple[str, int, int]] | None = None
 
 
-class _CallMeta(msgspec.Struct, gc=False, rename={"call_id": CALL_ID, "choices": CHOICES, "rollout_id": ROLLOUT_ID,
-                                                   "agent_name": "tracegym.agent_name",
-                                                   "weight_version": "tracegym.weight_version",
-                                                   "retokenized": "tracegym.retokenized"}):
+_CALL_KEYS = {"call_id": CALL_ID, "choices": CHOICES, "rollout_id": ROLLOUT_ID, "agent_name": "tracegym.agent_name",
+              "weight_version": "tracegym.weight_version", "retokenized": "tracegym.retokenized"}
+
+
+class _CallMeta(msgspec.Struct, gc=False, rename=_CALL_KEYS):
     """The attributes of an LLM call span the assembly reads; every other key is skipped unparsed (no Python
     object for the messages, usage or sampling settings)."""
 
@@ -207,7 +209,8 @@ def token_calls(rows: list[tuple]) -> list[TokenCall]:
             blob_length(prompt)  # raises with the reason
         meta = m.choices
         c = meta[0] if len(meta) == 1 else None
-        if (c is not None and output is not None and lps is not None and blob_count(output, ID_TAGS) == c.n_output_ids
+        if (c is not None and output is not None and lps is not None
+                and blob_count(output, ID_TAGS) == c.n_output_ids
                 and blob_count(lps, FLOAT_TAGS) == c.n_output_logprobs):
             wv = c.weight_versions
             choices = [TokenChoice(c.index, output, lps, [w[0] for w in wv] if wv else [])]

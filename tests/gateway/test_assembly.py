@@ -302,8 +302,9 @@ def test_assembled_sequences_are_packed_and_read_as_lists(arrays):
     seq = traj.sequences[0]
     ids, mask, lps = seq.packed()
     assert all(isinstance(a, np.ndarray) for a in (ids, mask, lps))
-    assert ids.dtype == np.int32 and mask.dtype == np.int8  # ids that fit int32 are packed so, as the store does
-    assert _sequence_ok(seq, {(c.call_id, 0): (c, c.choices[0]) for c in token_calls(calls)})  # the fast check
+    assert ids.dtype == np.int32 and mask.dtype == np.int8  # ids that fit int32 are packed so, as stored
+    fast = {(c.call_id, 0): (c, c.choices[0]) for c in token_calls(calls)}
+    assert _sequence_ok(seq, fast)  # the fast check passes
     check_invariants(calls, traj)
     assert trajectory_json(traj) == orjson.dumps(traj.to_dict())  # arrays serialize as the lists would
     assert seq.token_ids == [1, 2, 3, 10, 11, 50, 51, 12]

@@ -23,7 +23,8 @@ TRICKY = ',"tracegym.choices":[{"x":1}],"tracegym.request":{"y":2}'
 
 def _token_dict(call: TokenCall) -> dict:
     """A ``TokenCall``'s fields with its blobs decoded (lists) and their type tags."""
-    d = {name: getattr(call, name) for name in TokenCall.__struct_fields__ if name not in ("choices", "prompt")}
+    d = {name: getattr(call, name) for name in TokenCall.__struct_fields__
+         if name not in ("choices", "prompt")}
     d["prompt"] = decode(call.prompt)
     d["choices"] = [{"index": ch.index, "output": decode(ch.output), "logprobs": decode(ch.logprobs),
                      "versions": ch.versions} for ch in call.choices]
@@ -83,6 +84,22 @@ def test_token_calls_refuse_blobs_that_do_not_match_their_choices(store: Store):
         conn.execute(S.delete().where(S.c.call_id == "chatcmpl-0-0"))
         conn.execute(S.update().values(output_logprobs=sa.func.substr(S.c.output_logprobs, 1, 6)))
     with pytest.raises(ValueError, match="whole number"):
+        next(store.iter_token_calls(["ro-1"]))
+
+
+def test_token_calls_skip_agent_spans_and_refuse_malformed_call_attributes(store: Store):
+    agent_span = {"trace_id": "a" * 32, "span_id": "b" * 16, "name": "tool search", "source": "otlp",
+                  "start_time_ns": 1, "end_time_ns": 2, "rollout_id": "ro-1",
+                  "attributes": {"tracegym.rollout_id": "ro-1", "tool.name": "search", CHOICES: [1]}}
+    assert store.insert_spans([agent_span]) == 1
+    store.insert_call_records([make_record(0)])
+    [(_, calls)] = store.iter_token_calls(["ro-1"])
+    assert [c.call_id for c in calls] == ["chatcmpl-0-0"]  # the agent's span is no call
+    with store.db.write() as conn:  # a call whose choice index is no number
+        attrs = conn.execute(sa.select(S.c.attributes).where(S.c.call_id == "chatcmpl-0-0")).scalar_one()
+        attrs[CHOICES][0]["index"] = "first"
+        conn.execute(S.update().where(S.c.call_id == "chatcmpl-0-0").values(attributes=attrs))
+    with pytest.raises(ValueError, match="bad LLM call span in rollout 'ro-1'"):
         next(store.iter_token_calls(["ro-1"]))
 
 

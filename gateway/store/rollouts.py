@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 
 from tracegym.gateway.store.db import Database, decode_cursor, encode_cursor, iso, now, to_epoch
@@ -22,12 +23,15 @@ STATUSES = ("queued", "running", "completed", "failed", "adhoc")
 TimeLike = float | str | datetime | None
 
 
-def rollout_dict(row: Any) -> dict[str, Any]:
+def rollout_dict(row: Any, *, input_text: bool = False) -> dict[str, Any]:
     """The Rollout JSON of docs/api.md from a whole ``rollouts`` row (``select(R)`` / ``returning(R)``:
-    its columns in table order, unpacked by position; a row of another shape raises ValueError)."""
+    its columns in table order, unpacked by position; a row of another shape raises ValueError). With
+    ``input_text`` the ``input`` value is the column's JSON text (a raw ``_TEXT_ROW`` read)."""
     (rollout_id, task_id, group_id, status, attempt, max_attempts, input_, reward, _reward_final, worker_id,
      _lease_seconds, lease_expires_at, weight_version, error, _traceback, created_at, started_at,
      finished_at) = row
+    if input_text and input_ is not None:
+        input_ = orjson.loads(input_)
     return {
         "rollout_id": rollout_id,
         "task_id": task_id,
@@ -52,6 +56,10 @@ _ROW_ORDER = ("rollout_id", "task_id", "group_id", "status", "attempt", "max_att
               "traceback", "created_at", "started_at", "finished_at")
 if tuple(R.columns.keys()) != _ROW_ORDER:
     raise RuntimeError("rollout_dict unpacks the rollouts columns in table order: update it with the schema")
+_TEXT_ROW = ", ".join("CAST(input AS TEXT)" if c == "input" else c for c in _ROW_ORDER)
+"""A whole row for plain SQL, ``input`` as its JSON text on both dialects (PostgreSQL's driver would
+parse a JSON column itself; SQLite may hand a bare JSON number back as a number)."""
+_CREATED = _ROW_ORDER.index("created_at")
 
 
 def check_status(status: str | None) -> None:
@@ -197,24 +205,38 @@ class RolloutsMixin:
         check_status(status)
         if not 1 <= limit <= 10_000:
             raise ValueError(f"limit must be between 1 and 10000, got {limit}")
-        q = sa.select(R)
-        for col, value in ((R.c.status, status), (R.c.task_id, task_id), (R.c.group_id, group_id)):
+        # Plain SQL on the DBAPI connection: the bulk trajectory route lists a page per 100 rollouts, and
+        # building, compiling and post-processing the SQLAlchemy statement cost more than the query itself.
+        mark = _MARK[self.db.dialect]
+        conds: list[str] = []
+        params: list[Any] = []
+        for col, value in (("status", status), ("task_id", task_id), ("group_id", group_id)):
             if value is not None:
-                q = q.where(col == value)
+                conds.append(f"{col} = {mark}")
+                params.append(value)
         if (lo := to_epoch(since)) is not None:
-            q = q.where(R.c.created_at >= lo)
+            conds.append(f"created_at >= {mark}")
+            params.append(lo)
         if (hi := to_epoch(until)) is not None:
-            q = q.where(R.c.created_at < hi)
+            conds.append(f"created_at < {mark}")
+            params.append(hi)
         if cursor:
             c_time, c_id = decode_cursor(cursor)
-            q = q.where(sa.or_(R.c.created_at < c_time,
-                               sa.and_(R.c.created_at == c_time, R.c.rollout_id < c_id)))
-        q = q.order_by(R.c.created_at.desc(), R.c.rollout_id.desc()).limit(limit + 1)
+            conds.append(f"(created_at < {mark} OR (created_at = {mark} AND rollout_id < {mark}))")
+            params += [c_time, c_time, c_id]
+        where = f" WHERE {' AND '.join(conds)}" if conds else ""
+        sql = (f"SELECT {_TEXT_ROW} FROM rollouts{where} "
+               f"ORDER BY created_at DESC, rollout_id DESC LIMIT {int(limit) + 1}")
         with self.db.read() as conn:
-            rows = conn.execute(q).all()
+            cur = conn.connection.dbapi_connection.cursor()
+            try:
+                cur.execute(sql, params)
+                rows = cur.fetchall()
+            finally:
+                cur.close()
         page = rows[:limit]
         next_cursor = None
         if len(rows) > limit:
-            last = page[-1]._mapping
-            next_cursor = encode_cursor(last["created_at"], last["rollout_id"])
-        return [rollout_dict(r) for r in page], next_cursor
+            last = page[-1]
+            next_cursor = encode_cursor(last[_CREATED], last[0])
+        return [rollout_dict(r, input_text=True) for r in page], next_cursor

@@ -159,6 +159,21 @@ def test_list_rollouts_filters_and_pagination(store: Store):
             store.list_rollouts(**bad)
 
 
+def test_listed_rollouts_equal_the_rollouts_read_one_by_one(store: Store):
+    """``list_rollouts`` reads plain SQL, ``get_rollout(s)`` SQLAlchemy: the same Rollout JSON, every kind
+    of task input included (objects, numbers, strings, JSON null), claimed and finished ones too."""
+    inputs = [{"q": "2+3", "n": [1, 2.5]}, 7, 1.5, "text", None, [1, "a"], {"x": None}]
+    store.enqueue_tasks([{"task_id": f"t{i}", "input": v} for i, v in enumerate(inputs)])
+    [claimed] = store.claim("w1", limit=1, lease_seconds=30)
+    store.complete(claimed["rollout_id"], reward=0.5)
+    listed = store.list_rollouts(limit=100)[0]
+    assert len(listed) == len(inputs)
+    assert {r["task_id"]: r["input"] for r in listed} == {f"t{i}": v for i, v in enumerate(inputs)}
+    one_by_one = store.get_rollouts([r["rollout_id"] for r in listed])
+    assert listed == [one_by_one[r["rollout_id"]] for r in listed]
+    assert [r["status"] for r in listed].count("completed") == 1
+
+
 def test_events_are_idempotent_and_set_reward(store: Store):
     e1, dup = store.add_event("r-new", kind="reward", value=0.5, idempotency_key="k1")
     assert not dup and store.get_rollout("r-new")["status"] == "adhoc"

@@ -146,8 +146,9 @@ class _ChoiceMeta(msgspec.Struct, gc=False):
     weight_versions: list[tuple[str, int, int]] | None = None
 
 
-_CALL_KEYS = {"call_id": CALL_ID, "choices": CHOICES, "rollout_id": ROLLOUT_ID, "agent_name": "tracegym.agent_name",
-              "weight_version": "tracegym.weight_version", "retokenized": "tracegym.retokenized"}
+_CALL_KEYS = {"call_id": CALL_ID, "choices": CHOICES, "rollout_id": ROLLOUT_ID,
+              "agent_name": "tracegym.agent_name", "weight_version": "tracegym.weight_version",
+              "retokenized": "tracegym.retokenized"}
 
 
 class _CallMeta(msgspec.Struct, gc=False, rename=_CALL_KEYS):

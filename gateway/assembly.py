@@ -27,7 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from tracegym.gateway.assembly_calls import DTYPES, TokenCall, TokenChoice, count, token_calls, values
+from tracegym.gateway.assembly_calls import (
+    DTYPES,
+    TokenCall,
+    TokenChoice,
+    count,
+    extends,
+    payload,
+    token_calls,
+    values,
+)
 from tracegym.gateway.assembly_invariants import check_invariants
 from tracegym.gateway.assembly_options import AssemblyOptions
 from tracegym.gateway.assembly_rewards import discount_distances, discounted, step_rewards_by_call
@@ -114,8 +123,7 @@ def _single_run(calls: list[TokenCall], options: AssemblyOptions) -> Sequence | 
         end = start + (len(output) - 1) // size
         if count(lps) != end - start:
             return None  # the general path names the call
-        if prev_prompt and not (prompt.startswith(prev_prompt)
-                                and prompt.startswith(memoryview(prev_output)[1:], len(prev_prompt))):
+        if prev_prompt and not extends(prompt, prev_prompt, prev_output):
             return None
         starts.append(start)
         ends.append(end)
@@ -145,8 +153,7 @@ def _packed(prompt: bytes, output: bytes, starts: list[int], ends: list[int], lo
     call's prompt and output blobs, the [start, end) of each trained output, and their logprob blobs (None:
     retokenized). The last prompt and output are the whole sequence (each trained call continues the one
     before it), joined into one buffer (a bytearray, so that the array is writable)."""
-    token_ids = np.frombuffer(bytearray().join((memoryview(prompt)[1:], memoryview(output)[1:])),
-                              dtype=DTYPES[prompt[0]])
+    token_ids = np.frombuffer(bytearray().join((payload(prompt), payload(output))), dtype=DTYPES[prompt[0]])
     n = len(token_ids)
     mask = bytearray(n)
     for start, end in zip(starts, ends, strict=True):

@@ -114,3 +114,9 @@ def payload(blob: bytes) -> memoryview:
     return memoryview(blob)[1:]
 
 
+def extends(prompt: bytes, prev_prompt: bytes, prev_output: bytes) -> bool:
+    """True when the ids of ``prompt`` start with those of ``prev_prompt`` then ``prev_output`` (id blobs
+    of one tag): its bytes start with the previous prompt's blob, tag included, then the output's values."""
+    return prompt.startswith(prev_prompt) and prompt.startswith(memoryview(prev_output)[1:], len(prev_prompt))
+
+

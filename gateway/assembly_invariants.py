@@ -181,13 +181,8 @@ def _logprobs_ok(lps: Any, mask: bytearray, engine: list[bytes]) -> bool:
     """The sequence's logprobs are the engine's (``engine``: the trained outputs' blobs, in order) where
     ``mask`` is 1 and NaN (None) elsewhere. Packed float64 logprobs are compared bit for bit with the NaN
     the assembly writes (another NaN, or a -0.0 for 0.0, defers to the list check)."""
-    expected = np.empty(len(mask))
-    expected.fill(np.nan)
-    sampled = np.frombuffer(mask, dtype=np.bool_)
-    if all(b[0] == engine[0][0] for b in engine):
-        expected[sampled] = np.frombuffer(b"".join([payload(b) for b in engine]), dtype=DTYPES[engine[0][0]])
-    else:
-        expected[sampled] = np.concatenate([values(b) for b in engine]).astype(np.float64)
+    expected = np.full(len(mask), np.nan)
+    expected[np.frombuffer(mask, dtype=np.bool_)] = np.concatenate([values(b) for b in engine])
     if isinstance(lps, np.ndarray):
         return lps.dtype == np.float64 and lps.tobytes() == expected.tobytes()
     return lps == [None if x != x else x for x in expected.tolist()]

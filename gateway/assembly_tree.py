@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from tracegym.gateway.assembly_calls import TokenCall, TokenChoice
+from tracegym.gateway.assembly_calls import TokenCall, TokenChoice, extends
 
 
 @dataclass(slots=True, eq=False)
@@ -41,10 +41,8 @@ class Node:
     size: int = 1
 
     def continues(self, prompt: bytes) -> bool:
-        """True when ``prompt`` (a blob of the same tag) starts with this node's prompt + output: its bytes
-        start with the prompt blob (tag included), then the output's values."""
-        n = len(self.prompt)
-        return prompt.startswith(self.prompt) and prompt.startswith(memoryview(self.output)[1:], n)
+        """True when ``prompt`` (a blob of the same tag) starts with this node's prompt + output."""
+        return extends(prompt, self.prompt, self.output)
 
 
 @dataclass(slots=True)

@@ -89,23 +89,23 @@ def blob_length(blob: bytes, tags: frozenset[int] = ID_TAGS) -> int:
     """How many values ``blob`` holds; ValueError unless it is a well-formed blob with one of ``tags``.
     The assembly works on blobs as they are (two blobs of one tag hold equal values exactly when their
     bytes are equal, so prefixes compare with ``bytes.startswith``); this is their check."""
-    tag = blob[0] if blob else None
-    if tag not in tags:
-        raise ValueError("token array blob " + (f"has tag {chr(tag)!r}, expected one of "
-                         f"{', '.join(sorted(chr(t) for t in tags))}" if tag is not None else "is empty"))
-    n, rest = divmod(len(blob) - 1, ITEMSIZE[tag])
-    if rest:
-        raise ValueError(f"token array blob of {len(blob) - 1} bytes is not a whole number of "
-                         f"{chr(tag)!r} values")
-    return n
+    n = blob_count(blob, tags)
+    if n >= 0:
+        return n
+    if not blob:
+        raise ValueError("token array blob is empty")
+    if blob[0] not in tags:
+        raise ValueError(f"token array blob has tag {chr(blob[0])!r}, expected one of "
+                         f"{', '.join(sorted(chr(t) for t in tags))}")
+    raise ValueError(f"token array blob of {len(blob) - 1} bytes is not a whole number of "
+                     f"{chr(blob[0])!r} values")
 
 
 def blob_count(blob: bytes, tags: frozenset[int] = ID_TAGS) -> int:
     """``blob_length`` without the exception: -1 for a malformed blob (the read path's quick check)."""
-    size = ITEMSIZE.get(blob[0]) if blob and blob[0] in tags else None
-    if size is None:
+    if not blob or blob[0] not in tags:
         return -1
-    n, rest = divmod(len(blob) - 1, size)
+    n, rest = divmod(len(blob) - 1, ITEMSIZE[blob[0]])
     return -1 if rest else n
 
 

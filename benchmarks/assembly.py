@@ -4,7 +4,7 @@ process's CPU time (SQLite runs in-process), so a busy shared machine does not d
 
 Rollouts are realistic multi-turn agent runs: a ~300-token system+task prompt, then ``--turns`` calls,
 each emitting ~100 sampled tokens followed by a ~150-token tool result, so prompts grow to ~2,000 ids.
-They are inserted with ``Store.insert_call_records`` (the store's own span rows), then read back the way
+They are inserted with ``insert_call_records`` (the gateway's own span rows), then read back the way
 ``GET /api/trajectories`` reads them: a page of rollouts (``list_rollouts``), their reward events in one
 query (``list_events_many``), their spans in one query (``iter_token_calls``: the assembly's
 ``TokenCall``s, token columns kept as blobs, one rollout's calls built at a time), ``assemble_rollout``,
@@ -13,7 +13,7 @@ target); ``fetch (CallRecords)`` is the store's full read (lists, request bodies
 ``(calls read before)`` rows time the assembly alone. Like the gateway (``tracegym serve`` freezes its
 startup heap), the measurement runs with the objects alive before it frozen (``gc.freeze``).
 
-    python benchmarks/assembly.py [--rollouts 100] [--turns 8] [--scale 10] [--system-tokens 300] ...
+    python -m benchmarks.assembly [--rollouts 100] [--turns 8] [--scale 10] [--system-tokens 300] ...
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.machine import describe
-from tracegym.gateway.assembly import AssemblyOptions, assemble_rollout, check_invariants
-from tracegym.gateway.routes.trajectories import trajectory_json
-from tracegym.gateway.store import Store
+from tracegym.gateway.api.trajectories import trajectory_json
+from tracegym.gateway.traces.assembly import AssemblyOptions, assemble_rollout, check_invariants
+from tracegym.gateway.traces.call_spans import insert_call_records
+from tracegym.gateway.traces.reads import iter_token_calls, list_call_records_many
+from tracegym.gateway.traces.store import Store
 from tracegym.types import CallRecord, ChoiceRecord
 
 PAGE = 100
@@ -89,7 +91,7 @@ def fill(store: Store, n_rollouts: int, shape: Shape, seed: int) -> list[str]:
     rids = [g["rollout_ids"][0] for g in groups]
     for start in range(0, n_rollouts, PAGE):
         batch = [c for rid in rids[start : start + PAGE] for c in make_rollout(rid, shape, rng)]
-        store.insert_call_records(batch)
+        insert_call_records(store, batch)
     for rid in rids[::2]:
         store.add_reward(rid, 1.0, idempotency_key=f"{rid}-r", name="tool_ok", call_index=1)
     return rids
@@ -114,7 +116,7 @@ def run(store: Store, *, events: bool, check: bool, json: bool = False) -> tuple
     for rows in pages(store):
         ids = [r["rollout_id"] for r in rows]
         evs = store.list_events_many(ids, kind="reward") if events else {}
-        for row, (rid, cs) in zip(rows, store.iter_token_calls(ids), strict=True):
+        for row, (rid, cs) in zip(rows, iter_token_calls(store, ids), strict=True):
             traj = assemble_rollout(row, cs, evs.get(rid, []), opts)
             if check:
                 check_invariants(cs, traj)
@@ -131,7 +133,7 @@ def assemble_only(store: Store, *, check: bool) -> float:
     opts = AssemblyOptions()
     work = []
     for rows in pages(store):
-        calls = store.iter_token_calls([r["rollout_id"] for r in rows])
+        calls = iter_token_calls(store, [r["rollout_id"] for r in rows])
         work += [(row, cs) for row, (_, cs) in zip(rows, calls, strict=True)]
     t0 = time.process_time()
     for row, cs in work:
@@ -149,9 +151,9 @@ def fetch_only(store: Store, rids: list[str], records: bool = False) -> tuple[fl
     for start in range(0, len(rids), PAGE):
         ids = rids[start : start + PAGE]
         if records:
-            n += sum(len(v) for v in store.list_call_records_many(ids).values())
+            n += sum(len(v) for v in list_call_records_many(store, ids).values())
         else:
-            n += sum(len(calls) for _, calls in store.iter_token_calls(ids))
+            n += sum(len(calls) for _, calls in iter_token_calls(store, ids))
     return time.process_time() - t0, n
 
 

@@ -2,7 +2,7 @@
 a real ``tracegym engine`` process. Prints generated tokens/s of both and their ratio, and the largest
 batch the engine reports.
 
-    python benchmarks/engine_batching.py [--model tiny-random] [--requests 16] [--tokens 64] [--dtype bfloat16]
+    python -m benchmarks.engine_batching [--model tiny-random] [--requests 16] [--tokens 64] [--dtype bfloat16]
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Gateway overhead: the same load sent straight to a zero-latency SGLang fake and through the gateway,
 in one run, side by side. Prints p50/p99 latency and the added latency at concurrency 1 and 32, and req/s.
 
-    python -m benchmarks.gateway_overhead [--store sqlite|none] [--requests 2000] [--op chat|completion]
-                                          [--distinct] [--rollouts K] [--pin]
+    python -m benchmarks.gateway_overhead [--store sqlite|none] [--requests 2000]
+                                          [--op chat|completion|responses|messages] [--stream]
+                                          [--apis] [--distinct] [--rollouts K] [--pin] [--durability-both]
 
 Processes: the fake (benchmarks/fake_sglang.py), the gateway (``tracegym serve``, one uvicorn worker,
 uvloop + httptools) and an aiohttp load generator (``loadgen`` mode of this script) each run on their
@@ -16,7 +17,19 @@ agents make them, which the per-rollout prefix cache plans and remembers.
 ``--pin`` pins the gateway to CPU 0 and the fake and the load generator to CPU 1 (``taskset``), so the
 gateway is one worker on one core. With recording on, the run ends by checking that the store holds one
 span per request sent through the gateway (warm-up included) and exits 1 if not.
-Targets: p50 added ≤ 1 ms at c=1; ≥ 2,000 req/s at c=32; stored spans == requests."""
+``--op responses|messages`` sends the same chat call through ``/v1/responses`` or ``/v1/messages``
+(instructions/system + one user message: the same prompt ids, so the same direct baseline); ``--stream``
+streams both sides (the direct side as SGLang's stream). ``--apis`` runs chat, Responses and Messages,
+non-stream and stream, on one gateway in one run, ``--repeat R`` times in rotation (chat, Responses,
+Messages, chat, …: the shared machines drift within minutes, so each API's points are taken alongside
+chat's), and ends with each API's median added p50 at c=1, c=32 throughput and gateway CPU per request,
+as ratios to chat's (same mode).
+``--durability-both`` runs two gateways side by side, ``--durability commit`` (the default: a call is
+answered once its span is committed) and ``--durability async`` (answered at once, the span written later),
+each on its own SQLite store, and alternates direct / commit / async at each point ``--repeat`` times; it
+ends with each mode's median added p50 at c=1 and req/s at c=32.
+Targets: p50 added ≤ 1 ms at c=1; ≥ 2,000 req/s at c=32; stored spans == requests; with ``--apis``,
+added p50 within 1.2× of chat's and c=32 throughput ≥ 0.8× chat's."""
 
 from __future__ import annotations
 
@@ -140,6 +153,127 @@ def _tokenizer_dir(arg: str | None) -> Path:
     return d
 
 
+def _bodies(op: str, model: str, distinct: bool) -> tuple[dict, str]:
+    """The gateway request of ``op`` and its path (under ``/v1``); every chat-like op is the same call."""
+    system, user = MESSAGES[0]["content"], MESSAGES[1]["content"]
+    if distinct:
+        user = f"Request {VARY.decode()}. {user}"
+    if op == "completion":
+        return {"model": model, "prompt": "2+3=", "max_tokens": 64}, "/completions"
+    if op == "responses":
+        return {"model": model, "instructions": system, "input": user, "max_output_tokens": 64}, "/responses"
+    if op == "messages":
+        return {"model": model, "system": system, "messages": [{"role": "user", "content": user}],
+                "max_tokens": 64}, "/messages"
+    messages = [MESSAGES[0], {"role": "user", "content": user}]
+    return {"model": model, "messages": messages, "max_tokens": 64}, "/chat/completions"
+
+
+def _point(procs: list, fport: int, gport: int, direct: dict, op: str, stream: bool, c: int, n: int, tmp: Path,
+           pin: list[str], a: argparse.Namespace, model: str) -> tuple[dict, dict]:
+    """One concurrency point of one op: the direct load, then the gateway's; prints both rows."""
+    via, path = _bodies(op, model, a.distinct)
+    path = f"/rollouts/bench-{ROLLOUT}/v1{path}" if a.rollouts else f"/v1{path}"
+    if stream:
+        via = {**via, "stream": True}
+    cpu0 = _cpu_seconds(procs[0].proc.pid)
+    d = _run_load(f"http://127.0.0.1:{fport}/generate", {**direct, "stream": stream}, c, n, tmp, pin)
+    cpu1, gcpu0 = _cpu_seconds(procs[0].proc.pid), _cpu_seconds(procs[1].proc.pid)
+    g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp, pin, a.rollouts)
+    gcpu1 = _cpu_seconds(procs[1].proc.pid)
+    d["cpu_us"] = 1e6 * (cpu1 - cpu0) / (n + 200)  # the fake's CPU (warm-up included)
+    g["cpu_us"] = 1e6 * (gcpu1 - gcpu0) / (n + 200)  # the gateway's own CPU
+    label = f"{op}{' stream' if stream else ''}"
+    for name, r in (("direct", d), ("gateway", g)):
+        print(f"{label:18} {c:>3} {name:8} {r['rps']:>8.0f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['errors']:>6}"
+              f" {r['cpu_us']:>18.0f}")
+    print(f"{label:18} {c:>3} added    p50 {g['p50_ms'] - d['p50_ms']:+.3f} ms, p99 {g['p99_ms'] - d['p99_ms']:+.3f} ms,"
+          f" gateway/direct req/s = {g['rps'] / d['rps']:.2f}", flush=True)
+    return d, g
+
+
+Points = dict[int, list[tuple[dict, dict]]]  # concurrency → (direct, gateway) of each repeat
+
+
+def _medians(points: Points) -> tuple[float, float, float]:
+    """Median added p50 at c=1 (ms), gateway req/s at c=32, gateway CPU µs per request at c=32."""
+    med = statistics.median
+    return (med(g["p50_ms"] - d["p50_ms"] for d, g in points[1]), med(g["rps"] for _, g in points[32]),
+            med(g["cpu_us"] for _, g in points[32]))
+
+
+def _summary(results: dict[tuple[str, bool], Points]) -> None:
+    """Each API against chat in the same mode, medians over the repeats: added p50 at c=1 (target ≤ 1.2×
+    chat's) and gateway req/s at c=32 (target ≥ 0.8× chat's), and the gateway's CPU per request."""
+    print("\nAPI vs chat (same mode, medians)  added p50 c=1 ms  ratio  req/s c=32  ratio  CPU us/req c=32  ratio")
+    for (op, stream), points in results.items():
+        chat = results.get(("chat", stream))
+        if chat is None:
+            continue
+        (added, rps, cpu), (chat_added, chat_rps, chat_cpu) = _medians(points), _medians(chat)
+        ratio = added / chat_added if chat_added > 0 else float("nan")
+        print(f"{op + (' stream' if stream else ''):32} {added:>+16.3f} {ratio:>6.2f} {rps:>11.0f} "
+              f"{rps / chat_rps:>6.2f} {cpu:>16.0f} {cpu / chat_cpu:>6.2f}")
+
+
+def _durability_both(a: argparse.Namespace, tok_dir: Path, tmp: Path, pin: tuple[list[str], list[str]]) -> bool:
+    """Commit-before-ack on and off, one gateway each, the same load alternated at each point."""
+    from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
+
+    procs, fport = [], free_port()
+    modes = ("commit", "async")
+    ports = {m: free_port() for m in modes}
+    try:
+        procs.append(start_process([*pin[1], sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport),
+                                    "--tokenizer", str(tok_dir)], port=fport, health_path="/health",
+                                   log_path=tmp / "fake.log", cwd=REPO, timeout=120))
+        for m in modes:
+            procs.append(start_process([*pin[0], sys.executable, "-m", "tracegym.cli", "serve", "--port", str(ports[m]),
+                                        "--upstream", f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store",
+                                        f"sqlite:///{tmp / f'tg-{m}.db'}", "--durability", m, "--log-level",
+                                        "warning"], port=ports[m], health_path="/healthz",
+                                       log_path=tmp / f"gw-{m}.log", cwd=REPO, timeout=120))
+        tok = ChatTokenizer.from_dir(tok_dir)
+        ids = tok.apply(MESSAGES)
+        direct = {"input_ids": ids, "rid": "bench", "return_logprob": True, "stream": False,
+                  "sampling_params": {"max_new_tokens": 64, "stop_token_ids": tok.eos_token_ids}}
+        body, path = _bodies("chat", str(tok_dir), a.distinct)
+        print(f"load average {Path('/proc/loadavg').read_text().split()[0]}; commit-before-ack on and off, chat, "
+              f"SQLite store, {a.requests} requests per point, {a.repeat} rounds")
+        print(f"{'durability':10} {'c':>3} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'errors':>6} "
+              f"{'CPU us/req':>10}")
+        added: dict[tuple[str, int], list[float]] = {}
+        rps: dict[tuple[str, int], list[float]] = {}
+        sent = dict.fromkeys(modes, 0)
+        for _ in range(a.repeat):
+            for c in (1, 32):
+                n = a.requests if c > 1 else max(500, a.requests // 4)
+                d = _run_load(f"http://127.0.0.1:{fport}/generate", direct, c, n, tmp, pin[1])
+                for k, m in enumerate(modes):
+                    cpu0 = _cpu_seconds(procs[1 + k].proc.pid)
+                    g = _run_load(f"http://127.0.0.1:{ports[m]}/v1{path}", body, c, n, tmp, pin[1])
+                    cpu = 1e6 * (_cpu_seconds(procs[1 + k].proc.pid) - cpu0) / (n + 200)  # the gateway's, all threads
+                    sent[m] += g["sent"]
+                    added.setdefault((m, c), []).append(g["p50_ms"] - d["p50_ms"])
+                    rps.setdefault((m, c), []).append(g["rps"])
+                    print(f"{m:10} {c:>3} {g['rps']:>8.0f} {g['p50_ms']:>8.3f} {g['p99_ms']:>8.3f} "
+                          f"{g['p50_ms'] - d['p50_ms']:>+10.3f} {g['errors']:>6} {cpu:>10.0f}   (direct {d['rps']:.0f} req/s, "
+                          f"p50 {d['p50_ms']:.3f} ms)", flush=True)
+        med = statistics.median
+        print("\nmedians   added p50 c=1 ms   req/s c=32")
+        for m in modes:
+            print(f"{m:10} {med(added[(m, 1)]):>+16.3f} {med(rps[(m, 32)]):>12.0f}")
+        ok = True
+        for m in modes:
+            stored = _stored_spans(tmp / f"tg-{m}.db", sent[m])
+            ok = ok and stored == sent[m]
+            print(f"{m}: stored spans {stored} for {sent[m]} requests: {'OK' if stored == sent[m] else 'MISMATCH'}")
+        return ok
+    finally:
+        for pr in procs:
+            pr.stop()
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "loadgen":
         loadgen_main(sys.argv[2:])
@@ -147,19 +281,35 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--store", choices=["sqlite", "none"], default="sqlite")
     p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--op", choices=["chat", "completion"], default="chat")
+    p.add_argument("--op", choices=["chat", "completion", "responses", "messages"], default="chat")
+    p.add_argument("--stream", action="store_true", help="stream both sides")
+    p.add_argument("--apis", action="store_true",
+                   help="chat, responses and messages, non-stream and stream, with ratios to chat")
+    p.add_argument("--repeat", type=int, default=3, help="with --apis: rounds of the rotation (medians)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the tiny-random cache)")
     p.add_argument("--distinct", action="store_true", help="a unique user message in every chat request")
     p.add_argument("--pin", action="store_true", help="gateway on CPU 0, fake and load generator on CPU 1")
+    p.add_argument("--durability-both", action="store_true",
+                   help="chat through two gateways, --durability commit and async, side by side")
     p.add_argument("--rollouts", type=int, default=0, metavar="K",
                    help="chat calls sent to /rollouts/bench-{i %% K}/v1 (attributed calls: the per-rollout prefix "
                         "cache plans and remembers each one)")
     a = p.parse_args()
-    if a.rollouts and a.op != "chat":
-        p.error("--rollouts needs --op chat")
+    if a.rollouts and a.op == "completion":
+        p.error("--rollouts needs a chat-like --op")
+    runs = ([(op, st) for st in (False, True) for _ in range(a.repeat) for op in ("chat", "responses", "messages")]
+            if a.apis else [(a.op, a.stream)])
     pin_gw, pin_other = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if a.pin else ([], [])
     tok_dir = _tokenizer_dir(a.tokenizer)
     tmp = Path(tempfile.mkdtemp(prefix="tg-bench-"))
+    if a.durability_both:
+        try:
+            ok = _durability_both(a, tok_dir, tmp, (pin_gw, pin_other))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not ok:
+            raise SystemExit(1)
+        return
     fport, gport = free_port(), free_port()
     store = f"sqlite:///{tmp / 'tg.db'}" if a.store == "sqlite" else "none"
     procs = []
@@ -171,43 +321,30 @@ def main() -> None:
                                     "--upstream", f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store",
                                     store, "--log-level", "warning"], port=gport, health_path="/healthz",
                                    log_path=tmp / "gw.log", cwd=REPO, timeout=120))
-        from tracegym.gateway.templating import ChatTokenizer
+        from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
         tok = ChatTokenizer.from_dir(tok_dir)
-        ids = tok.apply(MESSAGES) if a.op == "chat" else tok.encode("2+3=")
+        ids = tok.encode("2+3=") if a.op == "completion" and not a.apis else tok.apply(MESSAGES)
         direct = {"input_ids": ids, "rid": "bench", "return_logprob": True, "stream": False,
                   "sampling_params": {"max_new_tokens": 64, "stop_token_ids": tok.eos_token_ids}}
-        if a.op == "chat":
-            messages = MESSAGES
-            if a.distinct:
-                messages = [MESSAGES[0], {"role": "user", "content": f"Request {VARY.decode()}. {MESSAGES[1]['content']}"}]
-            via, path = {"model": str(tok_dir), "messages": messages, "max_tokens": 64}, "/v1/chat/completions"
-            if a.rollouts:
-                path = f"/rollouts/bench-{ROLLOUT}/v1/chat/completions"
-        else:
-            via, path = {"model": str(tok_dir), "prompt": "2+3=", "max_tokens": 64}, "/v1/completions"
+        what = "chat, responses, messages (non-stream and stream)" if a.apis else (
+            f"op={a.op}{' stream' if a.stream else ''}")
         print(f"load average {Path('/proc/loadavg').read_text().split()[0]} on {__import__('os').cpu_count()} cores; "
-              f"gateway overhead, op={a.op}, recording={'on (SQLite store)' if a.store == 'sqlite' else 'off'}, "
+              f"gateway overhead, {what}, recording={'on (SQLite store)' if a.store == 'sqlite' else 'off'}, "
               f"{a.requests} requests per point, prompt {len(ids)} tokens"
               f"{', distinct user messages' if a.distinct else ''}"
               f"{f', attributed to {a.rollouts} rollouts' if a.rollouts else ''}{', pinned (gateway CPU 0, others CPU 1)' if a.pin else ''}")
-        print(f"{'c':>3} {'path':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'server CPU us/req':>18}")
+        print(f"{'api':18} {'c':>3} {'path':8} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'server CPU us/req':>18}")
         through = 0
-        for c in (1, 32):
-            n = a.requests if c > 1 else max(500, a.requests // 4)
-            cpu0 = _cpu_seconds(procs[0].proc.pid)
-            d = _run_load(f"http://127.0.0.1:{fport}/generate", direct, c, n, tmp, pin_other)
-            cpu1, gcpu0 = _cpu_seconds(procs[0].proc.pid), _cpu_seconds(procs[1].proc.pid)
-            g = _run_load(f"http://127.0.0.1:{gport}{path}", via, c, n, tmp, pin_other, a.rollouts)
-            through += g["sent"]
-            gcpu1 = _cpu_seconds(procs[1].proc.pid)
-            d["cpu_us"] = 1e6 * (cpu1 - cpu0) / (n + 200)  # the fake's CPU (warm-up included)
-            g["cpu_us"] = 1e6 * (gcpu1 - gcpu0) / (n + 200)  # the gateway's own CPU
-            for name, r in (("direct", d), ("gateway", g)):
-                print(f"{c:>3} {name:8} {r['rps']:>8.0f} {r['p50_ms']:>8.3f} {r['p99_ms']:>8.3f} {r['errors']:>6}"
-                      f" {r['cpu_us']:>18.0f}")
-            print(f"{c:>3} added    p50 {g['p50_ms'] - d['p50_ms']:+.3f} ms, p99 {g['p99_ms'] - d['p99_ms']:+.3f} ms,"
-                  f" gateway/direct req/s = {g['rps'] / d['rps']:.2f}")
+        results: dict[tuple[str, bool], Points] = {}
+        for op, stream in runs:
+            for c in (1, 32):
+                n = a.requests if c > 1 else max(500, a.requests // 4)
+                d, g = _point(procs, fport, gport, direct, op, stream, c, n, tmp, pin_other, a, str(tok_dir))
+                through += g["sent"]
+                results.setdefault((op, stream), {}).setdefault(c, []).append((d, g))
+        if a.apis:
+            _summary(results)
         if a.store == "sqlite":
             stored = _stored_spans(tmp / "tg.db", through)
             print(f"stored spans {stored} for {through} requests through the gateway (warm-up included): "

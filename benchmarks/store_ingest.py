@@ -10,7 +10,7 @@ Prints, for SQLite and (when reachable) PostgreSQL in one run:
 - the store insert alone (pre-encoded batches) for comparison;
 and the cost of one ``record()`` call on the request path (µs, wall and CPU; target: a few µs).
 
-    python benchmarks/store_ingest.py [--spans 20000] [--batch 2000] [--no-pg]
+    python -m benchmarks.store_ingest [--spans 20000] [--batch 2000] [--no-pg]
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import gc
 import os
 import random
-import secrets
 import shutil
 import sys
 import tempfile
@@ -31,10 +30,10 @@ from pathlib import Path
 
 from benchmarks.machine import describe
 from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S
-from tracegym.gateway.spans import call_record_to_row
-from tracegym.gateway.store import Store
-from tracegym.gateway.store.span_rows import SpanBatch
-from tracegym.gateway.tracing import TraceRecorder
+from tracegym.gateway.traces.call_spans import call_batch, insert_call_records
+from tracegym.gateway.traces.recorder import TraceRecorder
+from tracegym.gateway.traces.store import Store
+from tracegym.gateway.traces.store.span_rows import SpanBatch
 from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan
 
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -45,7 +44,8 @@ def make_records(n: int, n_rollouts: int = 200, seed: int = 0) -> list[CallRecor
     rng = random.Random(seed)
     prompt = [rng.randrange(49152) for _ in range(300)]
     msgs = [
-        {"role": "system", "content": "You are a careful assistant that solves arithmetic puzzles step by step."},
+        {"role": "system",
+         "content": "You are a careful assistant that solves arithmetic puzzles step by step."},
         {"role": "user", "content": "A farmer has 17 sheep; all but 9 run away. How many are left? " * 3},
         {"role": "assistant", "content": "Let me think about it. 'All but 9' means 9 stay."},
         {"role": "user", "content": "Explain once more, briefly."},
@@ -97,7 +97,8 @@ class _Cpu:
 
     def threads(self) -> list[float]:
         """CPU seconds of each thread so far (read before the threads end)."""
-        return [_proc_cpu(f"/proc/self/task/{tid}/stat") - t0 for tid, t0 in zip(self.tids, self.threads0, strict=True)]
+        return [_proc_cpu(f"/proc/self/task/{tid}/stat") - t0
+                for tid, t0 in zip(self.tids, self.threads0, strict=True)]
 
     def done(self) -> tuple[float, float]:
         return time.process_time() - self.own0, self._server() - self.server0
@@ -115,7 +116,7 @@ def bench_end_to_end(store: Store, recs: list[CallRecord], batch: int) -> dict[s
     # Warm the pool connection the exporter will use with one real write transaction (an empty batch writes
     # nothing): the first transaction on a connection pays one-time costs (SQLAlchemy's first BEGIN and
     # COMMIT on it, preparing the small statements) that a running gateway has long paid.
-    store.insert_spans([call_record_to_row(recs[0], trace_id=secrets.token_hex(16), span_id=secrets.token_hex(8))])
+    insert_call_records(store, recs[:1])
     before = _count(store)
     rec = TraceRecorder(store, max_queue_size=len(recs) + 1, max_batch_size=batch)
     proc = rec.processor
@@ -155,12 +156,11 @@ def bench_record_call(recs: list[CallRecord]) -> tuple[float, float]:
 
 
 def bench_insert_only(store: Store, recs: list[CallRecord], batch: int) -> float:
-    rows = [call_record_to_row(r, trace_id=secrets.token_hex(16), span_id=secrets.token_hex(8)) for r in recs]
-    batches = [SpanBatch.from_dicts(rows[i : i + batch]) for i in range(0, len(rows), batch)]
+    batches = [call_batch(recs[i : i + batch]) for i in range(0, len(recs), batch)]
     t = time.perf_counter()
     for b in batches:
         store.insert_spans(b)
-    return len(rows) / (time.perf_counter() - t)
+    return len(recs) / (time.perf_counter() - t)
 
 
 def _pg_url() -> str | None:
@@ -189,7 +189,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2_000, help="max_batch_size of the recorder")
     ap.add_argument("--no-pg", action="store_true")
     ap.add_argument("--switch-interval", type=float, default=SERVE_SWITCH_INTERVAL_S,
-                    help="sys.setswitchinterval, seconds (default: what `tracegym serve` sets; Python's is 0.005)")
+                    help="sys.setswitchinterval, seconds "
+                         "(default: what `tracegym serve` sets; Python's is 0.005)")
     args = ap.parse_args()
     # As in `tracegym serve` (GatewaySettings.switch_interval_s): the write thread gets the GIL back sooner
     # after each SQLite statement.
@@ -221,8 +222,8 @@ def main() -> None:
             print(f"{name:10s} end to end {e['rate']:8.0f} spans/s = {e['rate'] / target:4.2f}x target "
                   f"{target}/s; store insert alone (pre-encoded) {ins:8.0f}/s")
             print(f"{'':10s} CPU µs/span: process {e['own']:5.1f} (record() {e['record']:4.1f}, encode "
-                  f"{e['build']:5.1f}, write thread {e['write']:5.1f}), db server {e['server']:5.1f} -> CPU-bound "
-                  f"rate {serial:7.0f}/s ({serial / target:4.2f}x) on one core, {stage:7.0f}/s "
+                  f"{e['build']:5.1f}, write thread {e['write']:5.1f}), db server {e['server']:5.1f} "
+                  f"-> CPU-bound rate {serial:7.0f}/s ({serial / target:4.2f}x) on one core, {stage:7.0f}/s "
                   f"({stage / target:4.2f}x) with a core per stage (GIL permitting)")
         finally:
             store.close()

@@ -12,8 +12,9 @@ the report is median tokens/s and the ratio to the bare loop (target ≥ 0.85), 
 the per-step ratios) and by CPU time per step (``time.process_time`` of the process that trains; steadier
 than wall time when other work shares the machine).
 
-Swap: a real ``tracegym engine`` process; ``DiskWeightSync.push`` (gather + write safetensors +
-``/update_weights_from_disk``) a few times; median seconds of each part.
+Swap: a real ``tracegym serve --engine embedded`` process (gateway + engine); ``DiskWeightSync.push``
+(gather + write safetensors, then the gateway's swap: pause, ``/update_weights_from_disk``, continue)
+a few times; median seconds of each part.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tracegym.trainer.batching import TrainBatch, TrainSample
+from tracegym.trainer.batch import TrainBatch, TrainSample
 from tracegym.trainer.models import prepare_model
 from tracegym.trainer.optim import OptimSettings
 from tracegym.trainer.workers import TrainConfig, WorkerGroup, token_logprobs
@@ -141,22 +142,24 @@ def swap(args: argparse.Namespace, model_dir: Path) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        engine = start_process(
-            ["tracegym", "engine", "--model", str(model_dir), "--port", str(port)],
+        gateway = start_process(
+            ["tracegym", "serve", "--engine", "embedded", "--model", str(model_dir), "--port", str(port),
+             "--store", "none"],
             port=port,
-            log_path=Path(tmp) / "engine.log",
+            log_path=Path(tmp) / "gateway.log",
+            health_path="/healthz",
         )
         group = WorkerGroup(model_dir, num_workers=1, train_cfg=TrainConfig(), use_ray=False)
         try:
-            sync = DiskWeightSync(engine.base_url, Path(tmp) / "weights", keep=2)
+            sync = DiskWeightSync(gateway.base_url, Path(tmp) / "weights", keep=2)
             results = [sync.push(group, str(v)) for v in range(1, args.swaps + 1)]
             sync.close()
         finally:
             group.shutdown()
-            engine.stop()
+            gateway.stop()
     med = {k: statistics.median(getattr(r, k) for r in results) for k in ("save_s", "update_s", "total_s")}
     print(
-        f"swap ({args.swaps}×, disk): save {med['save_s']:.3f} s + update_weights_from_disk "
+        f"swap ({args.swaps}×, disk): save {med['save_s']:.3f} s + gateway swap "
         f"{med['update_s']:.3f} s = {med['total_s']:.3f} s (median)"
     )
 

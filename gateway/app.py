@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +19,20 @@ import aiohttp
 import orjson
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
+from tracegym.gateway.api import openapi
+from tracegym.gateway.api import upstreams as upstreams_routes
+from tracegym.gateway.api import weights as weights_routes
 from tracegym.gateway.deps import GatewayMetrics, Recorder, Services, ServicesDep
 from tracegym.gateway.errors import install_error_handlers
-from tracegym.gateway.fastpath import GatewayMiddleware
-from tracegym.gateway.routes import openai as openai_routes
-from tracegym.gateway.routes import weights as weights_routes
+from tracegym.gateway.proxy import routes as openai_routes
+from tracegym.gateway.proxy.auth import Guard
+from tracegym.gateway.proxy.front import GatewayMiddleware
+from tracegym.gateway.proxy.responses import routes as responses_routes
+from tracegym.gateway.proxy.upstream.base import ModelInfo, Upstream
+from tracegym.gateway.proxy.upstream.http import make_session
 from tracegym.gateway.settings import GatewaySettings
-from tracegym.gateway.upstream.base import ModelInfo, Upstream
-from tracegym.gateway.upstream.http import make_session
 
 log = logging.getLogger("tracegym.gateway")
 
@@ -38,22 +43,40 @@ def build_upstream(settings: GatewaySettings, session: aiohttp.ClientSession) ->
     common = {"timeout": settings.upstream_timeout, "connect_timeout": settings.upstream_connect_timeout,
               "health_timeout": settings.health_timeout}
     if kind == "sglang":
-        from tracegym.gateway.upstream.sglang import SGLangUpstream
+        from tracegym.gateway.proxy.upstream.sglang import SGLangUpstream
 
-        return SGLangUpstream(settings.upstream_url, session, **common)  # type: ignore[arg-type]
+        return SGLangUpstream(settings.upstream_url, session, api_key=settings.upstream_api_key,  # type: ignore[arg-type]
+                              **common)
     if kind == "openai":
-        from tracegym.gateway.upstream.openai import OpenAIUpstream
+        from tracegym.gateway.proxy.upstream.openai import OpenAIUpstream
 
         return OpenAIUpstream(settings.upstream_url, session, api_key=settings.upstream_api_key,  # type: ignore[arg-type]
                               **common)
     if kind == "litellm":
-        from tracegym.gateway.upstream.litellm import LiteLLMUpstream
+        from tracegym.gateway.proxy.upstream.litellm import LiteLLMUpstream
 
         if not settings.model:
             raise ValueError("the litellm upstream needs --model (the litellm model name, e.g. openai/gpt-4o)")
         return LiteLLMUpstream(settings.model, api_base=settings.upstream_url, api_key=settings.upstream_api_key,
                                timeout=settings.upstream_timeout)
     raise ValueError(f"unknown upstream kind {kind!r}; expected sglang, openai or litellm")
+
+
+def build_fleet(settings: GatewaySettings, session: aiohttp.ClientSession) -> Upstream:
+    """One adapter per upstream URL (``upstream_url`` then ``upstream_urls``) behind one
+    ``fleet.UpstreamFleet``; a litellm upstream (a provider, not engines) stays as it is."""
+    from tracegym.gateway.proxy.upstream.fleet import UpstreamFleet
+
+    urls = [u for u in (settings.upstream_url, *settings.upstream_urls) if u]
+    if settings.upstream_kind == "litellm" or len(urls) <= 1:
+        adapters = [(urls[0] if urls else settings.upstream_kind, build_upstream(settings, session))]
+    else:
+        adapters = [(u, build_upstream(settings.model_copy(update={"upstream_url": u, "upstream_urls": []}),
+                                       session)) for u in urls]
+    if settings.upstream_kind == "litellm":
+        return adapters[0][1]
+    return UpstreamFleet(adapters, health_interval_s=settings.upstream_health_interval_s,
+                         health_timeout=settings.health_timeout)
 
 
 def tokenizer_dir(settings: GatewaySettings, info: ModelInfo | None) -> Path | None:
@@ -104,11 +127,11 @@ def _open_store(settings: GatewaySettings, recorder: Recorder | None,
                 registry: CollectorRegistry) -> tuple[Any, Recorder | None]:
     if not settings.store_url:
         return None, recorder
-    from tracegym.gateway.store import Store
+    from tracegym.gateway.traces.store import Store
 
     store = Store.open(settings.store_url)
     if recorder is None:
-        from tracegym.gateway.tracing import TraceRecorder
+        from tracegym.gateway.traces.recorder import TraceRecorder
 
         recorder = TraceRecorder(store, registry=registry)
     return store, recorder
@@ -122,27 +145,30 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
     upstream = store = recorder = None
     switch_interval = sys.getswitchinterval()
     try:
-        upstream = build_upstream(settings, session)
+        upstream = build_fleet(settings, session)
         await upstream.start()
         served, tdir = await _resolve_model(settings, upstream)
         tokenizer = prefix = None
         if tdir is not None:
-            from tracegym.gateway.templating import ChatTokenizer
+            from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
             tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, tdir)
         store, recorder = await asyncio.to_thread(_open_store, settings, injected, registry)
         if tokenizer is not None and upstream.token_native:
-            from tracegym.gateway.prefix import PrefixCache
+            from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
+            from tracegym.gateway.traces.reads import list_call_records
 
-            prefix = PrefixCache(tokenizer, loader=store.list_call_records if store is not None else None)
+            loader = None if store is None else partial(list_call_records, store)
+            prefix = PrefixCache(tokenizer, loader=loader)
         app.state.store, app.state.recorder = store, recorder
         app.state.swap = _swap_coordinator(upstream, store)
         app.state.services = Services(
             settings=settings, upstream=upstream, served_model=served, tokenizer=tokenizer, prefix=prefix,
-            recorder=recorder, metrics=GatewayMetrics(registry), created=int(time.time()),
+            recorder=recorder, metrics=GatewayMetrics(registry), created=int(time.time()), store=store,
         )
-        log.info("gateway serving %r via %s upstream %s (tokenizer %s, store %s)", served, upstream.kind,
-                 settings.upstream_url, tdir, settings.store_url)
+        log.info("gateway serving %r via %s upstream %s (tokenizer %s, store %s, %s)", served, upstream.kind,
+                 settings.upstream_url, tdir, _redacted(settings.store_url),
+                 "admin key set" if settings.admin_key else "no admin key")
         if settings.switch_interval_s is not None:
             sys.setswitchinterval(settings.switch_interval_s)
         if settings.freeze_gc:
@@ -150,6 +176,8 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
             gc.freeze()
         yield
     finally:
+        if getattr(app.state, "swap", None) is not None:
+            await app.state.swap.close()
         if upstream is not None:
             await upstream.close()
         await session.close()
@@ -160,45 +188,61 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         sys.setswitchinterval(switch_interval)
 
 
-def _swap_coordinator(upstream: Upstream, store: Any) -> Any:
-    """Weight hot-swap (``/api/weights/update``) for SGLang-protocol upstreams; None for the others."""
-    from tracegym.gateway.upstream.sglang import SGLangUpstream
+def _redacted(url: str | None) -> str | None:
+    """A store URL without its password, for the log."""
+    if not url or "@" not in url:
+        return url
+    from sqlalchemy.engine import make_url
 
-    if not isinstance(upstream, SGLangUpstream):
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _swap_coordinator(upstream: Upstream, store: Any) -> Any:
+    """The one owner of weight swaps (``/api/weights/...``: disk and distributed) for SGLang-protocol
+    upstreams; None for the others."""
+    if not getattr(upstream, "swappable", False):  # a fleet of SGLang-protocol engines
         return None
-    from tracegym.gateway.swap import SwapCoordinator
+    from tracegym.gateway.proxy.upstream.swap import SwapCoordinator
 
     return SwapCoordinator(upstream, store)
 
 
 def _include_store_routers(app: FastAPI) -> None:
-    from tracegym.gateway.routes import control, otlp, trajectories
+    from tracegym.gateway.api import control, otlp, trajectories, ui
 
     for module in (control, otlp, trajectories):
         app.include_router(module.router)
+    ui.install(app)
 
 
 def create_app(settings: GatewaySettings | None = None, *, recorder: Recorder | None = None) -> FastAPI:
     """The gateway app. ``recorder`` replaces the store-backed TraceRecorder (tests)."""
     settings = settings or GatewaySettings()
     app = FastAPI(title="tracegym gateway", lifespan=lambda a: _lifespan(a, settings, recorder),
-                  docs_url=None, redoc_url=None)
+                  docs_url="/docs", redoc_url=None)
+    app.state.max_body_bytes = settings.max_body_bytes
+    app.state.guard = Guard(settings.admin_key, settings.allowed_hosts)
     install_error_handlers(app)
     app.add_middleware(GatewayMiddleware, routes=openai_routes.HOT_ROUTES)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(weights_routes.router)
+    app.include_router(upstreams_routes.router)
     if settings.store_url:
         _include_store_routers(app)
 
     @app.get("/healthz")
     async def healthz(svc: ServicesDep) -> Response:
         upstream = await svc.upstream.health()
+        # open to anyone: where the engine listens (its URL, also in a connection error) is not theirs to know
+        upstream = {k: v for k, v in upstream.items() if k in ("reachable", "status_code")}
         body = {"status": "ok", "model": svc.served_model, "upstream_kind": svc.upstream.kind,
                 "upstream": upstream, "recording": svc.recorder is not None}
         return Response(orjson.dumps(body), media_type="application/json")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(svc: ServicesDep) -> Response:
         return Response(generate_latest(svc.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    openapi.install(app)
     return app

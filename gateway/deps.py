@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
@@ -10,19 +11,24 @@ from typing import TYPE_CHECKING, Annotated, Any, Protocol
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tracegym.gateway.proxy.upstream.base import Upstream
 from tracegym.gateway.settings import GatewaySettings
-from tracegym.gateway.upstream.base import Upstream
+from tracegym.gateway.traces.store.repo import Store
 from tracegym.types import CallRecord
 
 if TYPE_CHECKING:
-    from tracegym.gateway.prefix import PrefixCache
-    from tracegym.gateway.templating import ChatTokenizer
+    from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
+    from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
 
 class Recorder(Protocol):
-    """What the routes need from ``tracing.TraceRecorder``: non-blocking ``record``, flushing ``shutdown``."""
+    """What the routes need from ``traces.recorder.TraceRecorder``: non-blocking ``record``;
+    ``record_durably``, whose future (of the running loop) becomes True once the span is committed (False:
+    lost); flushing ``shutdown``."""
 
     def record(self, rec: CallRecord) -> None: ...
+
+    def record_durably(self, rec: CallRecord) -> asyncio.Future[bool]: ...
 
     def shutdown(self) -> None: ...
 
@@ -81,12 +87,34 @@ class Services:
     metrics: GatewayMetrics
     created: int = 0
     """Unix time the app started (``/v1/models`` ``created``)."""
+    store: Store | None = None
+    """The trace store (None when recording is off): where stored Responses are looked up
+    (``GET /v1/responses/{id}``, ``previous_response_id``)."""
 
 
 # ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in a thread pool (a thread hop per
-# request, measured at ~1 ms under load).
+# request on the hot path).
 async def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def get_store(request: Request) -> Store:
+    """The app's trace store (the store routers are mounted only on a gateway that has one)."""
+    return request.app.state.store
+
+
+def get_recorder(request: Request) -> Recorder | None:
+    return getattr(request.app.state, "recorder", None)
+
+
+def get_body_limit(request: Request) -> int:
+    """The most bytes a request body (inflated, for OTLP) may have (``GatewaySettings.max_body_bytes``)."""
+    return request.app.state.max_body_bytes
+
+
+StoreDep = Annotated[Store, Depends(get_store)]
+BodyLimitDep = Annotated[int, Depends(get_body_limit)]
+RecorderDep = Annotated["Recorder | None", Depends(get_recorder)]

@@ -3,27 +3,78 @@ upstream URL, or of the embedded engine started as a child process (``--engine e
 
 The engine child runs ``tracegym engine --model NAME --port P`` in its own process group (it also gets
 SIGTERM if this process dies, via PR_SET_PDEATHSIG on Linux) and is stopped when the gateway exits.
-``--store none`` turns recording off (no store, no control API)."""
+``--store none`` turns recording off (no store, no control API).
+
+Security (README, Security): with no admin key (``--admin-key``, env ``TRACEGYM_ADMIN_KEY``) the gateway
+binds loopback only; a non-loopback ``--host`` without a key is refused unless ``--insecure``. On a loopback
+address the ``Host`` header must be a loopback name or an ``--allowed-host``. The embedded engine child gets
+a fresh random key for its weight and pause routes, which only this gateway knows."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import secrets
+import sys
+from typing import Any
 
+from tracegym.gateway.serve_checks import StartupFailure, preflight, start_engine
 from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
-from tracegym.procs import free_port, start_process
+from tracegym.procs import free_port
 
 log = logging.getLogger("tracegym.gateway")
 
 
-def settings_from_args(args: argparse.Namespace, upstream_url: str | None, kind: str) -> GatewaySettings:
+def settings_from_args(args: argparse.Namespace, upstream_url: str | list[str] | None, kind: str) -> GatewaySettings:
     store = None if args.store in ("", "none") else args.store
+    urls = [upstream_url] if isinstance(upstream_url, str) else list(upstream_url or [])
     return GatewaySettings(
-        upstream_url=upstream_url, upstream_kind=kind, model=args.model, store_url=store,
+        upstream_url=urls[0] if urls else None, upstream_urls=urls[1:], upstream_kind=kind, model=args.model,
+        store_url=store,
         max_body_bytes=args.max_body_bytes, upstream_timeout=args.upstream_timeout, freeze_gc=True,
-        switch_interval_s=SERVE_SWITCH_INTERVAL_S,
+        switch_interval_s=SERVE_SWITCH_INTERVAL_S, durability=getattr(args, "durability", "commit"),
+        max_tokens_cap=getattr(args, "max_tokens_cap", None), **security_settings(args),
     )
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def admin_key(args: argparse.Namespace) -> str | None:
+    return getattr(args, "admin_key", None) or os.environ.get("TRACEGYM_ADMIN_KEY") or None
+
+
+def security_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings of README's Security section that ``tracegym serve``'s flags (else the environment) fill."""
+    from tracegym.gateway.proxy.auth import LOOPBACK_HOSTS
+
+    extra = list(getattr(args, "allowed_host", None) or [])
+    hosts = [*LOOPBACK_HOSTS, *extra] if is_loopback(getattr(args, "host", "127.0.0.1")) else (extra or None)
+    weights = getattr(args, "weights_dir", None) or os.environ.get("TRACEGYM_WEIGHTS_DIR")
+    out = {"admin_key": admin_key(args), "allowed_hosts": hosts,
+           "weights_dir": os.path.abspath(weights) if weights else None}
+    return {k: v for k, v in out.items() if v is not None}  # unset: the environment's (TRACEGYM_...), if any
+
+
+def check_binding(args: argparse.Namespace) -> str | None:
+    """The one-line refusal of a non-loopback bind without a key (None: go ahead; warns under --insecure)."""
+    if admin_key(args) or is_loopback(args.host):
+        return None
+    if not getattr(args, "insecure", False):
+        return (f"tracegym serve: refusing to bind {args.host} without an admin key: anyone who reaches the port "
+                "could read every prompt and load weights; set --admin-key / TRACEGYM_ADMIN_KEY, or pass "
+                "--insecure to do it anyway")
+    log.warning("binding %s with no admin key (--insecure): anyone who reaches this port controls the gateway",
+                args.host)
+    return None
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -32,6 +83,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise SystemExit("tracegym serve: --engine embedded and --upstream are mutually exclusive")
         if not args.model:
             raise SystemExit("tracegym serve: --engine embedded needs --model NAME")
+        if getattr(args, "engines", 1) < 1:
+            raise SystemExit("tracegym serve: --engines must be at least 1")
     elif not args.upstream and args.upstream_kind != "litellm":
         raise SystemExit("tracegym serve: pass --upstream URL (or --engine embedded --model NAME)")
 
@@ -40,27 +93,41 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tracegym.gateway.app import create_app
-    from tracegym.gateway.fastpath import HotFront
-    from tracegym.gateway.routes.openai import HOT_ROUTES
+    from tracegym.gateway.proxy.front import HotFront
+    from tracegym.gateway.proxy.routes import HOT_ROUTES
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_args(args)
-    engine = None
+    refusal = check_binding(args)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    preflight(args.host, args.port, args.model if args.engine == "embedded" else None, args.store)
+    engines: list = []
+    engine_key = None
     upstream, kind = args.upstream, args.upstream_kind
     try:
         if args.engine == "embedded":
-            port = args.engine_port or free_port()
-            engine = start_process(
-                ["tracegym", "engine", "--model", args.model, "--port", str(port), "--log-level", args.log_level],
-                port=port, log_path=None, health_path="/health", name="the embedded engine",
-                timeout=float(os.environ.get("TRACEGYM_ENGINE_START_TIMEOUT", "900")),
-            )
-            upstream, kind = engine.base_url, "sglang"
-        app = create_app(settings_from_args(args, upstream, kind))
-        uvicorn.run(HotFront(app, HOT_ROUTES), host=args.host, port=args.port, loop="uvloop", http="httptools",
-                    log_level=args.log_level.lower(), access_log=False, lifespan="on", timeout_graceful_shutdown=10,
-                    proxy_headers=False)
+            n = getattr(args, "engines", 1)
+            engine_key = secrets.token_urlsafe(32)  # the engines' weight and pause routes: only we know it
+            for i in range(n):
+                port = (args.engine_port + i if args.engine_port else 0) or free_port()
+                engines.append(start_engine(args.model, port, args.log_level, env={"TRACEGYM_ENGINE_API_KEY": engine_key},
+                                            name="the embedded engine" if n == 1 else f"embedded engine {i + 1}"))
+            upstream, kind = [e.base_url for e in engines], "sglang"
+        settings = settings_from_args(args, upstream, kind)
+        if engine_key is not None:
+            settings = settings.model_copy(update={"upstream_api_key": engine_key})
+        app = create_app(settings)
+        failure = StartupFailure(app, keep_traceback=getattr(args, "debug", False))
+        try:
+            uvicorn.run(HotFront(app, HOT_ROUTES), host=args.host, port=args.port, loop="uvloop", http="httptools",
+                        log_level=args.log_level.lower(), access_log=False, lifespan="on",
+                        timeout_graceful_shutdown=10, proxy_headers=False)
+        except SystemExit:
+            failure.reraise()
+            raise
     finally:
-        if engine is not None:
+        for engine in engines:
             engine.stop()
     return 0

@@ -12,6 +12,7 @@ SERVE_SWITCH_INTERVAL_S = 0.0005
 """``GatewaySettings.switch_interval_s`` under ``tracegym serve``."""
 
 UpstreamKind = Literal["sglang", "openai", "litellm"]
+Durability = Literal["commit", "async"]
 
 
 class GatewaySettings(BaseSettings):
@@ -20,9 +21,16 @@ class GatewaySettings(BaseSettings):
     upstream_url: str | None = None
     """Base URL of the inference server (SGLang / embedded engine / OpenAI-compatible); for litellm the
     optional ``api_base``."""
+    upstream_urls: list[str] = Field(default_factory=list)
+    """More engines beside ``upstream_url`` (``--upstream`` repeated; JSON list in the environment): one
+    fleet of the same kind and model, a rollout's calls on one engine, swaps on all or none
+    (``proxy/upstream/fleet.py``)."""
+    upstream_health_interval_s: float = Field(default=2.0, gt=0)
+    """Seconds between health checks of a fleet's engines (several upstreams only)."""
     upstream_kind: UpstreamKind = "sglang"
     upstream_api_key: str | None = None
-    """Bearer key sent to an ``openai``/``litellm`` upstream."""
+    """Bearer key sent to the upstream (an ``sglang`` one: SGLang's ``--api-key`` or the embedded engine's
+    ``TRACEGYM_ENGINE_API_KEY``)."""
     model: str | None = None
     """The served model name, also used to find the tokenizer and chat template
     (default: the upstream's ``/model_info`` ``served_model_name``)."""
@@ -41,11 +49,30 @@ class GatewaySettings(BaseSettings):
     """The interpreter's thread switch interval (``sys.setswitchinterval``) once started; None leaves it
     (5 ms by default). The span recorder's write thread releases the GIL inside each SQLite statement and
     must win it back from the encoding thread, which holds it until the interval runs out: at 5 ms that
-    wait, several times per batch, made the writer the bottleneck. Measured (benchmarks/store_ingest.py,
-    SQLite, 8 alternating runs each): median 38,000 spans/s at 5 ms, 41,200 at 1 ms, 45,200 at 0.5 ms.
-    ``tracegym serve`` sets ``SERVE_SWITCH_INTERVAL_S``; apps embedded in another process leave it."""
+    wait, several times per batch, makes the writer the bottleneck (README, Benchmarks). ``tracegym serve`` sets ``SERVE_SWITCH_INTERVAL_S``; apps embedded in another process leave it."""
     freeze_gc: bool = False
     """Once started, move every object alive (modules, tokenizer, routes: ~100k objects) out of the garbage
-    collector's generations (``gc.freeze``), so a full collection scans only request-time objects. Measured
-    at 32 concurrent chat calls with recording: p99 latency 45 ms -> 10 ms. ``tracegym serve`` turns it
+    collector's generations (``gc.freeze``), so a full collection scans only request-time objects (the
+    tail latency under load; README, Benchmarks). ``tracegym serve`` turns it
     on; off for apps embedded in another process (tests), whose heap is not the gateway's to freeze."""
+    durability: Durability = "commit"
+    """``commit``: a call's final response byte (the last SSE event of a stream) is sent only once its span
+    is committed to the store (group commit: the recorder's write thread commits whatever calls are waiting
+    in one transaction, and each waits for its own); a span the store could not take makes the call a 503
+    in its API's error shape. ``async``: answer at once and write the span in the background (a crash
+    loses the spans still queued). README, Security/Durability."""
+    max_tokens_cap: int | None = Field(default=None, gt=0)
+    """The most new tokens a call may ask for (``max_tokens``, ``max_completion_tokens``,
+    ``max_output_tokens``). A request above it is refused with a 400 naming the cap, as OpenAI and Anthropic
+    refuse a ``max_tokens`` above a model's output limit; a request without one gets the cap. None: only
+    the model's context length bounds a reply."""
+    admin_key: str | None = Field(default=None, repr=False)
+    """The admin key (env ``TRACEGYM_ADMIN_KEY``, ``tracegym serve --admin-key``): when set, every route but
+    ``/healthz`` and the inspector's page needs it as a Bearer token; agent routes also take a rollout's
+    token (``proxy/auth.py``; README, Security). Never logged."""
+    allowed_hosts: list[str] | None = None
+    """The ``Host`` names the gateway answers (any port); None: any. ``tracegym serve`` on a loopback address
+    sets ``localhost``, ``127.0.0.1`` and ``[::1]`` (plus ``--allowed-host``)."""
+    weights_dir: str | None = None
+    """The weights root (``--weights-dir``): ``/api/weights/update`` loads only directories under it; None
+    refuses weight updates from disk."""

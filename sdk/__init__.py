@@ -7,7 +7,7 @@
         tg.reward(1.0)
 
 ``tracegym run MODULE:FUNCTION`` calls ``FUNCTION(task_input, base_url)`` inside such a scope for each
-queued rollout (see ``tracegym.runner``).
+queued rollout (the call convention: ``tracegym.runner``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,31 @@
 """The ``tracegym`` command. Each subcommand imports its implementation lazily, so ``tracegym run``
 never pays for torch and ``tracegym serve`` never imports it at all."""
 
+
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
+
+from tracegym.errors import USAGE_EXIT_CODE, UserError
+
+DESCRIPTION = """tracegym turns an agent's LLM traffic into reinforcement learning: point the agent's base_url
+at the gateway (tracegym serve), run it over queued tasks (tracegym run), and train on the recorded,
+token-exact trajectories (tracegym train RECIPE.yaml, which can start everything itself)."""
 
 # subcommand -> "module:function"; each function takes the parsed argparse.Namespace and returns an exit code.
 _TARGETS = {
     "serve": "tracegym.gateway.serve:main",
     "engine": "tracegym.trainer.engine.server:main",
-    "run": "tracegym.runner:main",
-    "enqueue": "tracegym.runner:enqueue_main",
+    "run": "tracegym.queue_commands:main",
+    "enqueue": "tracegym.queue_commands:enqueue_main",
     "train": "tracegym.trainer.loop:main",
     "export": "tracegym.export:main",
-    "db": "tracegym.gateway.store.migrate:main",
+    "db": "tracegym.gateway.traces.store.migrate:main",
     "models": "tracegym.trainer.models:main",
 }
 # subcommand -> the extra (pyproject.toml) its implementation needs beyond the bare SDK
@@ -29,85 +38,140 @@ _EXTRAS = {
 }
 
 
+def _parser(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # also after the subcommand; SUPPRESS keeps a `tracegym --debug CMD` from being reset to False
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the traceback of an error (also: TRACEGYM_DEBUG=1)")
+    return p
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="run the gateway")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--upstream", help="URL of the inference server (SGLang, OpenAI-compatible)")
-    p.add_argument("--upstream-kind", choices=["sglang", "openai", "litellm"], default="sglang")
+    p = _parser(sub, "serve", "run the gateway: agents' LLM calls in, recorded as spans, answered by the upstream")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--upstream", action="append", metavar="URL",
+                   help="URL of the inference server (SGLang, OpenAI-compatible); repeat it for several engines "
+                        "of one model (a rollout's calls stay on one engine, swaps reach all or none)")
+    p.add_argument("--upstream-kind", choices=["sglang", "openai", "litellm"], default="sglang",
+                   help="the upstream's protocol")
     p.add_argument("--engine", choices=["embedded"], help="start the embedded engine as the upstream")
     p.add_argument("--engine-port", type=int, default=0, help="port of the embedded engine (0 = free port)")
+    p.add_argument("--engines", type=int, default=1, help="embedded engines to start (with --engine embedded)")
     p.add_argument("--model", help="model name: its tokenizer/chat template and the served name")
-    p.add_argument("--store", default="sqlite:///./tracegym.db", help="SQLAlchemy URL of the trace store")
-    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    p.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--store", default="sqlite:///./tracegym.db",
+                   help="SQLAlchemy URL of the trace store (the default is a file in the current directory)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body accepted (413 above it), also after inflating OTLP bodies")
+    p.add_argument("--upstream-timeout", type=float, default=600.0,
+                   help="seconds the upstream may stay silent before a call fails with 504")
+    p.add_argument("--durability", choices=["commit", "async"], default="commit",
+                   help="commit: answer a call only once its span is committed to the store (default); "
+                        "async: answer at once, write spans in the background (a crash loses the queued ones)")
+    p.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
+                   help="refuse (400) calls asking for more than N new tokens; calls that ask for none get N")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level")
+    _add_serve_security(p)
+
+
+def _add_serve_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin-key", default=None,
+                   help="admin key every route but /healthz needs (default $TRACEGYM_ADMIN_KEY; the environment "
+                        "keeps it out of the process list)")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an admin key")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="HOST",
+                   help="a Host header name to answer besides localhost/127.0.0.1/[::1] (repeatable)")
+    p.add_argument("--weights-dir", default=None,
+                   help="the only directory /api/weights/update loads weights from (default: none, refused)")
 
 
 def _add_engine(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("engine", help="run the embedded inference engine (SGLang-compatible HTTP API)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--log-level", default="info")
+    p = _parser(sub, "engine", "run the embedded inference engine (SGLang-compatible HTTP API)")
+    p.add_argument("--model", required=True, help="model name (tracegym models) or a local directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on")
+    p.add_argument("--device", default=None, help="cpu or cuda (None: cuda when present)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (None: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--max-batch-size", type=int, default=32, help="requests decoded together at most")
+    p.add_argument("--weight-version", default="default", help="version reported for the loaded weights")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run an agent function over queued rollouts")
-    p.add_argument("target", metavar="MODULE:FUNCTION")
-    p.add_argument("--gateway", default=None, help="gateway URL (default $TRACEGYM_GATEWAY)")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--lease-seconds", type=float, default=120.0)
-    p.add_argument("--max-rollouts", type=int, default=None, help="stop after this many (default: run on)")
-    p.add_argument("--exit-when-idle", action="store_true", help="stop when the queue is empty")
-    p.add_argument("--worker-id", default=None)
+    p = _parser(sub, "run", "run an agent function over queued rollouts")
+    p.add_argument("target", metavar="MODULE:FUNCTION", help="the agent: a module or file.py, and a function")
+    p.add_argument("--gateway", default=None, help="gateway URL (None: $TRACEGYM_GATEWAY)")
+    p.add_argument("--concurrency", type=int, default=4, help="rollouts run at once")
+    p.add_argument("--lease-seconds", type=float, default=120.0, help="lease per claimed rollout, kept alive "
+                   "by heartbeats")
+    p.add_argument("--max-rollouts", type=int, default=None, help="stop after this many (None: no limit)")
+    p.add_argument("--follow", action="store_true", help="keep waiting for new rollouts once the queue is "
+                   "empty (a long-lived worker); by default the run ends when the queue is drained")
+    p.add_argument("--exit-when-idle", action="store_true", help=argparse.SUPPRESS)  # the default now
+    p.add_argument("--worker-id", default=None, help="this worker's name in leases (None: host and pid)")
 
-    q = sub.add_parser("enqueue", help="enqueue tasks from a JSONL file")
-    q.add_argument("dataset", metavar="FILE.jsonl")
-    q.add_argument("--gateway", default=None)
-    q.add_argument("--group-size", type=int, default=1)
-    q.add_argument("--max-attempts", type=int, default=3)
+    q = _parser(sub, "enqueue", "enqueue tasks from a JSONL file")
+    q.add_argument("dataset", metavar="FILE.jsonl", help="one task per line (its 'input' field, or the line)")
+    q.add_argument("--gateway", default=None, help="gateway URL (None: $TRACEGYM_GATEWAY)")
+    q.add_argument("--group-size", type=int, default=1, help="rollouts per task (a GRPO group)")
+    q.add_argument("--max-attempts", type=int, default=3, help="tries per rollout before it fails")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="the whole loop from a YAML recipe")
-    p.add_argument("recipe", metavar="RECIPE.yaml")
-    p.add_argument("--resume", action="store_true", help="continue from the recipe's checkpoint dir")
+    p = _parser(sub, "train", "the whole loop from a YAML recipe")
+    p.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe (README: The recipe)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the last run (run_dir's `latest`, or run_dir itself) from its checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="a run_dir without {timestamp} that holds a run: delete that run's files and start again")
     p.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="export trajectories (JSONL) for SFT/DPO")
-    p.add_argument("--gateway", default=None)
-    p.add_argument("--out", required=True)
-    p.add_argument("--format", choices=["trajectories", "chat"], default="trajectories")
-    p.add_argument("--status", default="completed")
-    p.add_argument("--since", default=None)
-    p.add_argument("--limit", type=int, default=None)
+    p = _parser(sub, "export", "export trajectories (JSONL) for SFT/DPO")
+    p.add_argument("--gateway", default=None, help="gateway URL (None: $TRACEGYM_GATEWAY)")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    p.add_argument("--format", choices=["trajectories", "chat"], default="trajectories",
+                   help="token-level trajectories, or chat transcripts with their rewards")
+    p.add_argument("--status", default="completed", help="rollout status to export")
+    p.add_argument("--since", default=None, help="only rollouts created since (ISO-8601 or epoch seconds)")
+    p.add_argument("--ids", default=None, help="only these rollouts (comma-separated ids)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many rollouts (None: all)")
 
 
 def _add_db(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("db", help="trace store maintenance")
-    p.add_argument("action", choices=["upgrade", "current"])
-    p.add_argument("--store", default="sqlite:///./tracegym.db")
+    p = _parser(sub, "db", "trace store maintenance: upgrade its schema, or show its revision")
+    p.add_argument("action", choices=["upgrade", "current"], help="what to do")
+    p.add_argument("--store", default="sqlite:///./tracegym.db", help="SQLAlchemy URL of the trace store")
 
 
 def _add_models(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="prepare a named model in the local cache")
-    p.add_argument("action", choices=["prepare", "path"])
-    p.add_argument("name")
+    p = _parser(sub, "models", "list the known and prepared models, prepare one in the local cache, or print "
+                "where it is")
+    p.add_argument("action", choices=["list", "prepare", "path"], help="what to do")
+    p.add_argument("name", nargs="?", help="a model name (smollm2-135m, tiny-random, ...), a local directory "
+                   "or a hub id (prepare, path)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tracegym", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tracegym", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: "
+                        "TRACEGYM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_serve, _add_engine, _add_run, _add_train, _add_export, _add_db, _add_models):
         add(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tracegym")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _load(command: str) -> Callable[[argparse.Namespace], int | None]:
@@ -121,17 +185,34 @@ def _load(command: str) -> Callable[[argparse.Namespace], int | None]:
         extra = _EXTRAS.get(command)
         if not missing or missing == "tracegym" or extra is None:
             raise
-        raise SystemExit(
-            f"tracegym {command}: the {missing!r} package is not installed; `tracegym {command}` needs "
-            f"the {extra} extra: pip install 'tracegym[{extra}]'"
+        raise UserError(
+            f"the {missing!r} package is not installed; `tracegym {command}` needs the {extra} extra",
+            f"install it: pip install 'tracegym[{extra}]'",
         ) from None
     return getattr(mod, func)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. A ``UserError`` (or a ``SystemExit`` with a message) is printed as its one or
+    two lines on stderr and exits with code 2; ``--debug`` prints the traceback above it."""
     args = build_parser().parse_args(argv)
-    rc = _load(args.command)(args)
+    debug = args.debug or os.environ.get("TRACEGYM_DEBUG", "").lower() in ("1", "true", "yes", "on")
+    try:
+        rc = _load(args.command)(args)
+    except UserError as e:
+        return _user_error(e, f"tracegym {args.command}: {e}", debug)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        return _user_error(e, e.code, debug)
     return int(rc or 0)
+
+
+def _user_error(e: BaseException, message: str, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(e)
+    print(message, file=sys.stderr)
+    return USAGE_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ class _ConfigHolder:
         with self._lock:
             s = dict(self._set)
         url = s.get("gateway_url") or os.environ.get("TRACEGYM_GATEWAY") or DEFAULT_GATEWAY
-        key = s.get("api_key") or os.environ.get("TRACEGYM_API_KEY") or None
+        key = s.get("api_key") or os.environ.get("TRACEGYM_API_KEY") or os.environ.get("TRACEGYM_ADMIN_KEY") or None
         base = SDKConfig(gateway_url=normalize_url(url), api_key=key)
         retry = replace(base.retry, **{k: s[k] for k in ("attempts", "backoff", "max_backoff") if k in s})
         return replace(base, timeout=s.get("timeout", base.timeout), retry=retry)
@@ -116,7 +116,7 @@ def configure(
     retry_max_backoff: float | None = None,
 ) -> SDKConfig:
     """Set the gateway the SDK talks to (default ``$TRACEGYM_GATEWAY``, else ``http://127.0.0.1:8000``)
-    and its API key (default ``$TRACEGYM_API_KEY``). Returns the resulting configuration."""
+    and its API key (default ``$TRACEGYM_API_KEY``, else ``$TRACEGYM_ADMIN_KEY``). Returns the resulting configuration."""
     if gateway_url is not None:
         gateway_url = normalize_url(gateway_url)
     if retry_attempts is not None and retry_attempts < 1:
@@ -288,8 +288,9 @@ class GatewayClient:
         self, tasks: list[dict[str, Any]], *, group_size: int = 1, max_attempts: int = 3
     ) -> list[dict[str, Any]]:
         body = {"tasks": tasks, "group_size": group_size, "max_attempts": max_attempts}
-        # not idempotent: every enqueue creates new rollouts
-        return self.post("/api/tasks", body, "enqueue tasks", idempotent=False)["tasks"]
+        # idempotent only when every task names its group (an existing group is returned, not enqueued again)
+        idempotent = all(t.get("group_id") for t in tasks)
+        return self.post("/api/tasks", body, "enqueue tasks", idempotent=idempotent)["tasks"]
 
     def add_event(self, rollout_id: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.post(f"/api/rollouts/{rollout_id}/{kind}", body, f"send {kind[:-1]} for {rollout_id}")

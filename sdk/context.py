@@ -3,6 +3,9 @@
 The current scope lives in a ``contextvars.ContextVar``: asyncio tasks, ``asyncio.to_thread`` and
 ``contextvars.copy_context().run`` see the scope they were started in; a bare ``threading.Thread``
 starts with no scope (open one inside it, or start it through ``copy_context().run``).
+
+A rollout rewarded, or whose scope ends, with no LLM call attributed to it is checked, warned about
+and flagged (``tracegym.attribution``); that never fails the agent.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from tracegym.attribution import CallTally, check_calls_later
 from tracegym.client import AsyncGatewayClient, GatewayClient, SDKConfig, current_config
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -29,10 +33,16 @@ class RolloutScope:
     task_id: str | None = None
     agent_name: str | None = None
     config: SDKConfig = field(default_factory=current_config)
+    tally: CallTally = field(default_factory=CallTally, compare=False, repr=False)
+    """The calls seen for this rollout; nested scopes of the same rollout share it (``replace``)."""
 
     def headers(self) -> dict[str, str]:
-        """The attribution headers the gateway reads."""
+        """The attribution headers the gateway reads, and the scope's key as ``X-Tracegym-Key`` (under
+        ``tracegym run``: the rollout's token), which the gateway prefers to whatever API key the agent's
+        own client sends: so an agent built with ``api_key="unused"`` works on a gateway with keys."""
         h = {"X-Rollout-Id": self.rollout_id}
+        if self.config.api_key:
+            h["X-Tracegym-Key"] = self.config.api_key
         if self.task_id is not None:
             h["X-Task-Id"] = self.task_id
         if self.agent_name is not None:
@@ -79,10 +89,12 @@ def child_scope(
 
 
 class _Entered:
-    """Sets the context variable for one ``with`` block and restores it after."""
+    """Sets the context variable for one ``with`` block and restores it after; at the end of the block
+    that opened a rollout, checks that the rollout got calls (``tracegym.attribution``)."""
 
-    def __init__(self, scope: RolloutScope) -> None:
+    def __init__(self, scope: RolloutScope, *, queued: bool = False) -> None:
         self.scope = scope
+        self.queued = queued
         self._token: Token[RolloutScope | None] | None = None
 
     def __enter__(self) -> RolloutScope:
@@ -92,22 +104,33 @@ class _Entered:
         self._token = _CURRENT.set(self.scope)
         return self.scope
 
-    def __exit__(self, *exc: object) -> None:
+    def leave(self, exc_type: object) -> bool:
+        """Restore the outer scope. True when the rollout's check is due here: the block ended without
+        an exception (a failed run is not a finished rollout) and opened the rollout (a nested scope of
+        the same rollout shares its tally, and its end is not the rollout's)."""
         assert self._token is not None
         _CURRENT.reset(self._token)
+        outer = _CURRENT.get()
+        return exc_type is None and (outer is None or outer.tally is not self.scope.tally)
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if self.leave(exc_type):
+            check_calls_later(self.scope, "scope_end", queued=self.queued)
 
 
 def enter_scope(scope: RolloutScope) -> _Entered:
-    """``with enter_scope(scope):`` makes ``scope`` current (the runner uses it with its own config)."""
-    return _Entered(scope)
+    """``with enter_scope(scope):`` makes ``scope`` current (the runner uses it with its own config, for
+    a rollout it claimed from the queue)."""
+    return _Entered(scope, queued=True)
 
 
 class rollout:
     """Open a rollout scope: a context manager (``with``/``async with``) and a decorator (sync and async
     functions; each call of a decorated function is its own rollout unless ``rollout_id`` is fixed).
 
-    Inside it, httpx requests to the gateway carry ``X-Rollout-Id``/``X-Task-Id``/``X-Agent-Name``,
-    and ``tg.reward``/``tg.emit`` attach to the rollout. ``@tg.rollout`` without parentheses works too.
+    Inside it, requests to the gateway (httpx, httpx2, requests, aiohttp) carry ``X-Rollout-Id``/
+    ``X-Task-Id``/``X-Agent-Name``, and ``tg.reward``/``tg.emit`` attach to the rollout.
+    ``@tg.rollout`` without parentheses works too.
     """
 
     def __new__(
@@ -158,7 +181,7 @@ class rollout:
 
             @functools.wraps(fn)
             async def awrapper(*a: Any, **kw: Any) -> Any:
-                with rollout(*params):
+                async with rollout(*params):
                     return await fn(*a, **kw)
 
             return awrapper  # type: ignore[return-value]
@@ -220,11 +243,15 @@ def reward(value: float, *, name: str | None = None, call_index: int | None = No
     """Attach a reward to the current rollout (``name`` for a named component; ``call_index`` to pin it
     to one LLM call). Delivered at least once and counted once: retried with backoff under one
     idempotency key; raises ``GatewayUnreachableError`` if the gateway never answers. Blocking: in
-    async code prefer ``await tg.areward(...)``. Returns the gateway's ``{"event_id", "duplicate"}``."""
+    async code prefer ``await tg.areward(...)``. Returns the gateway's ``{"event_id", "duplicate"}``.
+    If no LLM call of this rollout was seen yet, checks in the background that it has some
+    (``tracegym.attribution``)."""
     scope = _require_scope("tg.reward()")
     body = _reward_body(value, name, call_index)
     with GatewayClient(scope.config) as client:
-        return client.add_event(scope.rollout_id, "rewards", body)
+        out = client.add_event(scope.rollout_id, "rewards", body)
+    check_calls_later(scope, "reward")
+    return out
 
 
 def emit(name: str, value_or_attributes: Any = None) -> dict[str, Any]:
@@ -240,7 +267,9 @@ async def areward(value: float, *, name: str | None = None, call_index: int | No
     scope = _require_scope("tg.areward()")
     body = _reward_body(value, name, call_index)
     async with AsyncGatewayClient(scope.config) as client:
-        return await client.add_event(scope.rollout_id, "rewards", body)
+        out = await client.add_event(scope.rollout_id, "rewards", body)
+    check_calls_later(scope, "reward")
+    return out
 
 
 async def aemit(name: str, value_or_attributes: Any = None) -> dict[str, Any]:

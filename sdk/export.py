@@ -56,11 +56,18 @@ def chat_example(spans: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def iter_chat(
-    client: GatewayClient, *, status: str | None, since: str | None, limit: int | None, skipped: list[str]
+    client: GatewayClient, *, status: str | None, since: str | None, limit: int | None, skipped: list[str],
+    ids: list[str] | None = None,
 ) -> Iterator[dict[str, Any]]:
-    """Chat records of the matching rollouts, newest first; ids without a chat call go to ``skipped``."""
+    """Chat records of the matching rollouts, newest first (or those of ``ids``, in that order, kept
+    when they have ``status``); ids without a chat call go to ``skipped``."""
     n = 0
-    for r in client.iter_rollouts(status=status, since=since):
+    if ids is not None:
+        rollouts: Iterator[dict[str, Any]] = (
+            r for r in map(client.get_rollout, ids) if status is None or r.get("status") == status)
+    else:
+        rollouts = client.iter_rollouts(status=status, since=since)
+    for r in rollouts:
         if limit is not None and n >= limit:
             return
         example = chat_example(client.rollout_spans(r["rollout_id"]))
@@ -85,16 +92,18 @@ def export(
     since: str | None = None,
     limit: int | None = None,
     progress: Progress | None = None,
+    ids: list[str] | None = None,
 ) -> tuple[int, int]:
-    """Write JSONL to ``out``; returns (lines written, rollouts skipped)."""
+    """Write JSONL to ``out``; returns (lines written, rollouts skipped). ``ids``: only these rollouts
+    (``since`` does not apply)."""
     if fmt not in ("trajectories", "chat"):
         raise ValueError(f"unknown export format {fmt!r}; expected 'trajectories' or 'chat'")
     written, skipped = 0, []
     if fmt == "trajectories":
-        params = {"status": status, "since": since, "limit": limit}
+        params = {"status": status, "limit": limit, **({"ids": ",".join(ids)} if ids else {"since": since})}
         lines: Iterator[str] = client.iter_lines("/api/trajectories", "export trajectories", params)
     else:
-        records = iter_chat(client, status=status, since=since, limit=limit, skipped=skipped)
+        records = iter_chat(client, status=status, since=since, limit=limit, skipped=skipped, ids=ids)
         lines = (json.dumps(rec, ensure_ascii=False) for rec in records)
     for line in lines:
         out.write(line.rstrip("\n") + "\n")
@@ -109,13 +118,17 @@ def main(args: argparse.Namespace) -> int:
     out_path = Path(args.out)
     tmp = out_path.with_name(out_path.name + ".part")
     bar = Progress(sys.stderr, interval=5.0)
+    ids = [i for i in (getattr(args, "ids", None) or "").split(",") if i] or None
+    # Rollouts named by --ids are exported whatever their status unless --status is given.
+    status = args.status if args.status is not None else (None if ids else "completed")
     with GatewayClient(config) as client, open(tmp, "w", encoding="utf-8") as f:
         try:
             written, skipped = export(
                 client,
                 f,
                 fmt=args.format,
-                status=args.status or None,
+                ids=ids,
+                status=status or None,
                 since=args.since,
                 limit=args.limit,
                 progress=bar,
@@ -124,5 +137,5 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"tracegym export: {e} (partial output left in {tmp})") from None
     tmp.replace(out_path)
     note = f" ({skipped} rollouts without a chat call skipped)" if skipped else ""
-    bar.close(f"exported {written} {args.format} records to {out_path}{note}")
+    bar.close(f"exported {written} records ({args.format} format) to {out_path}{note}")
     return 0

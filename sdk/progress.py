@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -38,22 +39,38 @@ class RunStats:
 
 class Progress:
     """One line rewritten in place on a TTY (at most every ``tty_interval`` s); otherwise a line every
-    ``interval`` seconds when something changed. ``close`` prints the final line."""
+    ``interval`` seconds when something changed, the first one ``interval`` seconds after the start (so a
+    command that ends sooner prints only its final line). ``print`` writes a permanent line (and counts as
+    output for the interval); ``close`` prints the final line. ``clock`` is injectable for tests."""
 
-    def __init__(self, stream: TextIO, *, interval: float = 10.0, tty_interval: float = 0.2) -> None:
+    def __init__(
+        self,
+        stream: TextIO,
+        *,
+        interval: float = 10.0,
+        tty_interval: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.stream = stream
         self.tty = stream.isatty()
         self.interval = tty_interval if self.tty else interval
-        self._last_time = 0.0
+        self.clock = clock
+        self._last_time = clock() if not self.tty else -float("inf")
         self._last_text = ""
 
     def update(self, stats: RunStats | str) -> None:
         text = stats if isinstance(stats, str) else stats.line()
-        now = time.monotonic()
+        now = self.clock()
         if text == self._last_text or now - self._last_time < self.interval:
             return
         self._write(text)
         self._last_time, self._last_text = now, text
+
+    def print(self, text: str) -> None:
+        """A permanent line (clearing the live line on a TTY); the next live line waits ``interval``."""
+        self.stream.write(("\r\x1b[2K" if self.tty else "") + text + "\n")
+        self.stream.flush()
+        self._last_time, self._last_text = self.clock(), ""
 
     def close(self, stats: RunStats | str) -> None:
         text = stats if isinstance(stats, str) else stats.line()

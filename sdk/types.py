@@ -23,6 +23,10 @@ Drift = Literal["none", "clean", "realigned", "forked"]
 
 RolloutStatus = Literal["queued", "running", "completed", "failed", "adhoc"]
 
+Api = Literal["chat", "completions", "responses", "messages"]
+"""The public API a call came in through: OpenAI Chat Completions, Completions, Responses, or Anthropic
+Messages. All of them run the same token-exact call (Responses and Messages as ``operation`` chat)."""
+
 
 @dataclass(slots=True)
 class WeightVersionSpan:
@@ -53,14 +57,17 @@ class CallRecord:
     """Everything the gateway knows about one LLM call; stored as one span."""
 
     call_id: str
-    """The response id returned to the client (``chatcmpl-...`` / ``cmpl-...``)."""
+    """The response id returned to the client (``chatcmpl-...``, ``cmpl-...``, ``resp_...``, ``msg_...``)."""
     rollout_id: str
     operation: Literal["chat", "text_completion"]
     model: str
     upstream_kind: str
     """``sglang`` | ``openai`` | ``litellm``."""
     request: dict[str, Any]
-    """The request body as received (messages, tools, sampling parameters)."""
+    """The request body as received (messages, tools, sampling parameters). For the Responses and Messages
+    APIs: the Chat Completions body the call was translated to (the whole conversation, so prefix reuse
+    reads it as any chat call), with the body as received under ``tracegym_source``
+    (``{"api", "request"}``)."""
     choices: list[ChoiceRecord]
     prompt_ids: list[int] | None
     task_id: str | None = None
@@ -79,6 +86,20 @@ class CallRecord:
     first_token_time_ns: int | None = None
     status: Literal["ok", "error"] = "ok"
     error: str | None = None
+    api: Api | None = None
+    """The public API of the call (span attribute ``tracegym.api``); None on records stored before it was
+    kept, whose ``operation`` tells (chat or text_completion)."""
+    tool_parse: str | None = None
+    """How the gateway's parse of the reply's tool-call syntax went (span attribute ``tracegym.tool_parse``):
+    ``ok`` (calls parsed), ``none`` (no tool-call block), ``failed: <reason>`` (a block that is no valid
+    call, e.g. half-written JSON or an unknown tool: it stays in the text); None when tools were not parsed
+    (no tools in the request, ``tool_choice: none``, or an upstream that parses them itself)."""
+    upstream: str | None = None
+    """The URL of the engine that answered (span attribute ``tracegym.upstream``); None on records
+    stored before it was kept, or from an upstream without URL."""
+    lora_adapter: str | None = None
+    """The LoRA adapter that served the call (span attribute ``tracegym.lora_adapter``; the version of
+    each token is in ``weight_versions``), None for the base model."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

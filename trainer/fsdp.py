@@ -1,20 +1,13 @@
-"""FSDP2 wrapping, gathering full weights, and sharded checkpoints.
-
-- ``init_distributed``: the torch process group of the trainer ranks (gloo on CPU, NCCL on GPU).
-- ``shard_model``: ``fully_shard`` on every decoder layer, then on the root (so embeddings, final norm
-  and a tied ``lm_head`` share the root's group). With one rank nothing is sharded and no process group
-  exists: sharding over one rank is the identity, and skipping it keeps the in-process worker free of
-  FSDP hooks (it is what makes 1 worker as fast as a bare loop). The code path is otherwise the same.
-- ``iter_full_params``: ``(name, full fp32 tensor)`` per parameter, in ``named_parameters`` order (tied
-  weights once); a collective, so every rank must iterate it.
-- ``save_sharded`` / ``load_sharded``: model + optimizer state with ``torch.distributed.checkpoint``
-  (each rank writes its shard; loading can reshard to another world size).
-"""
+"""FSDP2 for the trainer ranks: the process group (gloo on CPU, NCCL on GPU), sharding, gathering full
+weights (a collective: every rank takes part), and sharded checkpoints with ``torch.distributed.checkpoint``
+(each rank writes its shard; loading can reshard to another world size)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -51,10 +44,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, *, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """FSDP2-shard ``model`` in place over the default process group (identity without one).
+    """FSDP2-shard ``model`` in place over the default process group: ``fully_shard`` on every decoder
+    layer, then on the root (so embeddings, final norm and a tied ``lm_head`` share the root's group).
 
-    ``param_dtype`` (GPU bf16) becomes FSDP2's mixed-precision compute dtype, with fp32 gradient
-    reduction and fp32 master weights."""
+    With one rank (no process group) it is the identity: sharding over one rank would change nothing but
+    add FSDP's hooks to every forward and backward of the in-process worker. ``param_dtype`` (GPU bf16)
+    becomes FSDP2's mixed-precision compute dtype, with fp32 gradient reduction and fp32 master weights."""
     if not is_distributed() or dist.get_world_size() == 1:
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -75,7 +70,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every parameter whole, detached, on CPU. Every rank must consume the whole iterator."""
+    """Yield ``(name, tensor)`` for every parameter whole, detached, on CPU, in ``named_parameters`` order
+    (tied weights once). Every rank must consume the whole iterator."""
     for name, p in model.named_parameters():
         yield name, full_tensor(p.detach()).cpu()
 
@@ -83,23 +79,70 @@ def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 FRESH_OPTIMIZER_MARK = "OPTIMIZER_NOT_STEPPED"
 
 
-def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, d: Path) -> None:
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group, DCP warns on every save and load that it assumes one process; that is
+    the intended use here (one rank), so the warning is dropped (issue 20: noise at the end of a run)."""
+    with warnings.catch_warnings():
+        if not is_distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def tied_aliases(state: dict[str, object]) -> dict[str, str]:
+    """``{alias: key}`` for the tensors of a model state dict that are an earlier entry's very tensor
+    (same storage, offset, shape and dtype): tied input/output embeddings, as in SmolLM2 and tiny-random.
+    A checkpoint writes them once (the duplicate was 4 bytes per embedding parameter: 113 MB of
+    SmolLM2-135M's 1.7 GB) and a load restores both names from the one copy."""
+    first: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
+    out: dict[str, str] = {}
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        local = v.to_local() if hasattr(v, "to_local") else v  # a DTensor's shard on this rank
+        if local.numel() == 0:
+            continue
+        ident = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.dtype)
+        if ident in first:
+            out[k] = first[ident]
+        else:
+            first[ident] = k
+    return out
+
+
+def _untied(state: dict[str, object]) -> tuple[dict[str, object], dict[str, str]]:
+    aliases = tied_aliases(state)
+    return {k: v for k, v in state.items() if k not in aliases}, aliases
+
+
+def _options(frozen: bool) -> object:
+    """``frozen=False``: leave parameters without gradients out (a LoRA run saves only its adapters)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, d: Path, *, frozen: bool = True) -> None:
     """Model + optimizer state into the DCP directory ``d``. An optimizer that has not stepped yet is
     saved as a mark only: ``get_state_dict`` would initialise it with a zero-lr step, which advances
-    Adam's step count and so changes its bias correction on the first real step."""
+    Adam's step count and so changes its bias correction on the first real step. ``frozen=False``
+    saves only the trainable parameters (and their optimizer state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    opts = _options(frozen)
     if not optimizer.state:
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(d))
+        with _single_process_quiet():
+            dcp.save({"model": _untied(get_model_state_dict(model, options=opts))[0]}, checkpoint_id=str(d))
         if not is_distributed() or dist.get_rank() == 0:
             (d / FRESH_OPTIMIZER_MARK).touch()
         return
-    msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(d))
+    msd, osd = get_state_dict(model, optimizer, options=opts)
+    with _single_process_quiet():
+        dcp.save({"model": _untied(msd)[0], "optim": osd}, checkpoint_id=str(d))
 
 
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, d: Path) -> None:
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, d: Path, *, frozen: bool = True) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -110,16 +153,20 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, d: Path) ->
 
     if not d.is_dir():
         raise FileNotFoundError(f"no sharded checkpoint at {d}")
+    opts = _options(frozen)
     if (d / FRESH_OPTIMIZER_MARK).exists():
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(d))
-        set_model_state_dict(model, state["model"])
+        msd, aliases = _untied(get_model_state_dict(model, options=opts))
+        with _single_process_quiet():
+            dcp.load({"model": msd}, checkpoint_id=str(d))
+        set_model_state_dict(model, {**msd, **{a: msd[k] for a, k in aliases.items()}}, options=opts)
         optimizer.state.clear()
         return
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(d))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full, osd = get_state_dict(model, optimizer, options=opts)
+    msd, aliases = _untied(full)  # checkpoints written before tied entries were deduplicated load too
+    with _single_process_quiet():
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(d))
+    msd.update({a: msd[k] for a, k in aliases.items()})
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=opts)
 
 
 def save_rng(path: Path) -> None:

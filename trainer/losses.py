@@ -10,11 +10,6 @@ entry point, ``policy_loss``:
       + kl_coef × per-token KL        (KL_ESTIMATORS[cfg.kl_estimator], against ref_logprobs)
       → scalar                        (AGGREGATIONS[cfg.agg], with global normalisers for micro-batching)
 
-Micro-batching: pass ``**loss_scales(mini_batch_mask)`` (the whole mini-batch's token and sequence
-counts) to every micro-batch call; the micro-batch losses then sum to the mini-batch loss, and so do
-their gradients. When data-parallel ranks average their gradients (FSDP does), divide both counts by the
-world size (``loss_scales(..., world_size=W)``) so the average of rank sums is the global mean.
-
 Where this departs from the papers:
 
 - The log-ratio ``logprobs - old_logprobs`` is clamped to ``±cfg.max_log_ratio`` before ``exp`` (as
@@ -125,7 +120,12 @@ AGGREGATIONS: dict[str, Aggregation] = {
 
 def loss_scales(*masks: torch.Tensor, world_size: int = 1) -> dict[str, float]:
     """Global normalisers of a mini-batch given as one or more masks (e.g. its micro-batches):
-    ``{"loss_scale_tokens", "loss_scale_seqs"}``, each divided by ``world_size`` (see module docstring)."""
+    ``{"loss_scale_tokens", "loss_scale_seqs"}``, each divided by ``world_size``.
+
+    Pass ``**loss_scales(...)`` of the whole mini-batch to every micro-batch's ``policy_loss``: the
+    micro-batch losses then sum to the mini-batch loss, and so do their gradients. When data-parallel
+    ranks average their gradients (FSDP does), the division by the world size makes the average of the
+    rank sums the global mean."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     tokens = sum(int(m.bool().sum()) for m in masks)

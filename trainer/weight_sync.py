@@ -1,30 +1,39 @@
-"""Pushing the trainer's weights into the inference server, stamped with a ``weight_version``.
+"""Pushing the trainer's weights into the inference server, stamped with a ``weight_version``, through the
+gateway. The gateway's ``SwapCoordinator`` owns every swap sequence (pause, load, continue, the version
+stamp) and continues the calls a pause cut short; the trainer only writes or broadcasts weights and asks
+the gateway. It never calls the engine's weight or pause routes itself.
 
-Disk (everywhere; what every test run exercises): gather the full weights, write a directory the engine
+Disk (everywhere; what every training run uses): gather the full weights, write a directory the engine
 can ``from_pretrained`` (``model.safetensors`` + config/tokenizer files copied from the model dir) into a
 fresh ``v<version>`` directory — written under a temporary name and renamed, so a load never reads a
-half-written file — then ``POST /update_weights_from_disk {model_path, weight_version}``. Only the last
-``keep`` version directories are kept. Optionally ``pause_generation`` … ``continue_generation`` around
-the load (AReaL's order); without it SGLang itself drains in-flight requests before swapping.
+half-written file — then ``POST /api/weights/update {model_path, weight_version}``. Only the last
+``keep`` version directories are kept.
 
-NCCL (SGLang on GPUs; see SGLANG.md §3–4): ``/init_weights_update_group`` is posted in the background
-while the trainer joins the same rendezvous as rank 0; an update is ``pause_generation`` → ``flush_cache``
-(retried until the server is idle) → ``begin_weight_update`` (SGLang ≥ 0.5.23) → per bucket:
-``/update_weights_from_distributed {names, dtypes, shapes, ...}`` posted asynchronously *while* the
-bucket's tensors are broadcast from rank 0 → ``end_weight_update`` → ``continue_generation`` (always,
-also after an error). **This path is unverified on hardware**: there are no GPUs here. Its HTTP sequence
-and payloads are unit-tested against the documented fields with the broadcast injected as a function;
-``nccl_group``/``nccl_broadcast`` below mirror how SGLang builds its side of the group, from reading
-its source only.
+Distributed (SGLang on GPUs with NCCL; gloo on CPU is the same code): once, ``POST
+/api/weights/distributed/init`` in the background while rank 0 joins the same rendezvous
+(``weight_update_group``), since the engine's side of the init returns only once both have joined. Each
+push plans buckets from the parameters' names and shapes (no gather needed), posts them all to ``POST
+/api/weights/distributed/update``, and, as the gateway's NDJSON answer announces each bucket (it is
+asking the engine for it at that moment), gathers that bucket and broadcasts it from rank 0. So the
+trainer never broadcasts a bucket the engine was not asked to receive; a failure before a bucket (pause,
+flush, begin) ends the push without any collective left pending. A failure *during* a bucket's receive
+can leave this side's broadcast waiting until the group's timeout: the group is then unusable and must
+be set up again.
+
+What runs here: the disk path against the real embedded engine behind a real gateway; the distributed
+path against the real gateway and a fake SGLang, and over a real gloo group whose receiving end is a
+test stand-in built the way SGLang builds its side (``init_custom_process_group``, read from its
+source). Not run here: NCCL, GPUs, and SGLang's own receiving code.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +45,13 @@ import torch
 from tracegym.trainer.models import replace_dir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".index.json")
+DISK_ROUTE = "/api/weights/update"
+INIT_ROUTE = "/api/weights/distributed/init"
+UPDATE_ROUTE = "/api/weights/distributed/update"
 
 
 class WeightSyncError(RuntimeError):
-    """The inference server refused or failed a weight update; the message carries its answer."""
+    """The gateway (or the engine behind it) refused or failed a weight update; the message says why."""
 
 
 @dataclass(slots=True)
@@ -47,10 +59,20 @@ class SwapResult:
     version: str
     path: Path | None
     save_s: float
-    """Gathering + writing (disk) or gathering + broadcasting (NCCL)."""
+    """Gathering + writing (disk) or gathering + broadcasting (distributed)."""
     update_s: float
-    """The server's update call(s)."""
+    """The rest: the gateway's swap (pause, load, continue) outside this side's own work."""
     total_s: float
+
+
+def _answer(resp: httpx.Response, what: str) -> dict[str, Any]:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {"text": resp.text}
+    if resp.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
+        raise WeightSyncError(f"{what} failed: HTTP {resp.status_code}: {body}")
+    return body if isinstance(body, dict) else {"body": body}
 
 
 # ---------------------------------------------------------------------------------------------- disk
@@ -83,41 +105,29 @@ def write_weights_dir(tensors: dict[str, torch.Tensor], model_dir: Path, out_dir
     return out_dir
 
 
-def _check(resp: httpx.Response, what: str) -> dict[str, Any]:
-    try:
-        body = resp.json()
-    except ValueError:
-        body = {"text": resp.text}
-    if resp.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
-        raise WeightSyncError(f"{what} failed: HTTP {resp.status_code}: {body}")
-    return body if isinstance(body, dict) else {"body": body}
-
-
 class DiskWeightSync:
-    """Save → ``/update_weights_from_disk`` → prune. ``push(group, version)`` with any object that has
-    ``save_weights(out_dir) -> Path`` (a ``WorkerGroup``).
-
-    ``url`` is the engine, or a gateway with ``update_path="/api/weights/update"``: the gateway then
-    pauses generation around the load and continues the requests the pause aborted (same body and
-    answer shape), so ``pause`` must stay False there."""
+    """Save → ``POST /api/weights/update`` on the gateway → prune. ``push(group, version)`` with any
+    object that has ``save_weights(out_dir, dtype) -> Path`` (a ``WorkerGroup``)."""
 
     def __init__(
         self,
-        engine_url: str,
+        gateway_url: str,
         root: Path,
         *,
         keep: int = 2,
-        pause: bool = False,
         timeout: float = 600.0,
         save_dtype: str | None = None,
-        update_path: str = "/update_weights_from_disk",
+        api_key: str | None = None,
     ) -> None:
+        """``root`` must be under the gateway's weights root (``--weights-dir``); ``api_key``: the gateway's
+        admin key (default ``$TRACEGYM_API_KEY`` / ``$TRACEGYM_ADMIN_KEY``)."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.update_path = update_path
-        self.engine_url, self.root, self.keep, self.pause = engine_url.rstrip("/"), Path(root), keep, pause
+        self.gateway_url, self.root, self.keep = gateway_url.rstrip("/"), Path(root), keep
         self.save_dtype = save_dtype
-        self._client = httpx.Client(base_url=self.engine_url, timeout=timeout)
+        key = api_key or os.environ.get("TRACEGYM_API_KEY") or os.environ.get("TRACEGYM_ADMIN_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        self._client = httpx.Client(base_url=self.gateway_url, timeout=timeout, headers=headers)
         # directories of earlier runs (a resumed loop) count towards ``keep`` too, oldest first
         earlier = [p for p in self.root.glob("v*") if p.is_dir()] if self.root.is_dir() else []
         self._written: list[Path] = sorted(earlier, key=lambda p: p.stat().st_mtime)
@@ -130,29 +140,25 @@ class DiskWeightSync:
     def push(self, group: Any, version: str | int) -> SwapResult:
         version = str(version)
         t0 = time.perf_counter()
-        path = group.save_weights(self.version_dir(version), self.save_dtype)
+        out = self.version_dir(version)
+        saved = self.save(group, out)
         t1 = time.perf_counter()
-        self.load(path, version)
+        self.load(saved, version)
         t2 = time.perf_counter()
-        if path in self._written:
-            self._written.remove(path)
-        self._written.append(path)
+        if out in self._written:
+            self._written.remove(out)
+        self._written.append(out)
         self._prune()
-        return SwapResult(version, path, t1 - t0, t2 - t1, t2 - t0)
+        return SwapResult(version, out, t1 - t0, t2 - t1, t2 - t0)
+
+    def save(self, group: Any, out: Path) -> Any:
+        """Write this version under ``out``; what ``load`` is given (here: the weights directory)."""
+        return group.save_weights(out, self.save_dtype)
 
     def load(self, path: Path, version: str) -> dict[str, Any]:
-        """``/update_weights_from_disk`` (between ``pause_generation``/``continue_generation`` if asked)."""
-        body = {"model_path": str(path), "weight_version": version}
-        if not self.pause:
-            return _check(self._client.post(self.update_path, json=body), self.update_path)
-        _check(self._client.post("/pause_generation", json={}), "pause_generation")
-        try:
-            body["abort_all_requests"] = True
-            return _check(
-                self._client.post("/update_weights_from_disk", json=body), "update_weights_from_disk"
-            )
-        finally:
-            _check(self._client.post("/continue_generation", json={}), "continue_generation")
+        """Ask the gateway to swap to ``path`` (it pauses, loads, continues); its answer, or raise."""
+        body = {"model_path": str(Path(path).resolve()), "weight_version": version}
+        return _answer(self._client.post(DISK_ROUTE, json=body), DISK_ROUTE)
 
     def _prune(self) -> None:
         while len(self._written) > self.keep:
@@ -162,67 +168,57 @@ class DiskWeightSync:
         self._client.close()
 
 
-# ---------------------------------------------------------------------------------------------- NCCL
+# ------------------------------------------------------------------------------------------ distributed
+
+Spec = tuple[str, list[int]]
+"""A parameter's name and full (unsharded) shape."""
 
 
-def bucket_tensors(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def plan_buckets(
+    specs: Iterable[tuple[str, Sequence[int]]], itemsize: int, bucket_bytes: int
+) -> list[list[Spec]]:
     """Consecutive groups of at most ``bucket_bytes`` (a larger tensor goes alone), order kept."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    cur: list[tuple[str, torch.Tensor]] = []
+    buckets: list[list[Spec]] = []
     size = 0
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if cur and size + n > bucket_bytes:
-            yield cur
-            cur, size = [], 0
-        cur.append((name, t))
+    for name, shape in specs:
+        n = itemsize
+        for d in shape:
+            n *= d
+        if not buckets or size + n > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, list(shape)))
         size += n
-    if cur:
-        yield cur
+    return buckets
 
 
-def bucket_payload(
-    bucket: list[tuple[str, torch.Tensor]], *, group_name: str, version: str
-) -> dict[str, Any]:
-    """The ``/update_weights_from_distributed`` body for one bucket (SGLang's field names)."""
-    return {
-        "names": [n for n, _ in bucket],
-        "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-        "shapes": [list(t.shape) for _, t in bucket],
-        "group_name": group_name,
-        "flush_cache": False,
-        "weight_version": version,
-    }
+def bucket_body(bucket: list[Spec], dtype: str) -> dict[str, Any]:
+    """One bucket as the gateway takes it (SGLang's field names)."""
+    return {"names": [n for n, _ in bucket], "dtypes": [dtype] * len(bucket),
+            "shapes": [s for _, s in bucket]}
 
 
 @dataclass
-class NcclWeightSync:
-    """The SGLang NCCL update sequence (unverified on hardware, see module docstring).
+class DistributedWeightSync:
+    """The trainer's side of a distributed push: plans buckets, asks the gateway, broadcasts on cue.
+    Picklable (settings only; HTTP clients are made per call) so a Ray actor can run it on rank 0."""
 
-    Picklable (it holds settings only; HTTP clients are made per call) so a Ray actor can run it."""
-
-    engine_url: str
+    gateway_url: str
     group_name: str = "weight_update_group"
     backend: str = "nccl"
-    begin_end: bool = True
-    """Wrap the buckets in ``/begin_weight_update`` … ``/end_weight_update`` (required on SGLang ≥ 0.5.23,
-    absent before)."""
+    dtype: str = "bfloat16"
+    """What the tensors are cast to before the broadcast (and announced as)."""
     bucket_bytes: int = 512 << 20
-    flush_retries: int = 60
-    flush_interval_s: float = 1.0
     timeout_s: float = 600.0
-    requests: list[str] = field(default_factory=list)
-    """Paths posted, in order (for logs and tests)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The gateway's admin key (default ``$TRACEGYM_API_KEY`` / ``$TRACEGYM_ADMIN_KEY``)."""
 
     def _client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.engine_url.rstrip("/"), timeout=self.timeout_s)
-
-    def _post(self, client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.requests.append(path)
-        return _check(client.post(path, json=body), path.lstrip("/"))
+        key = self.api_key or os.environ.get("TRACEGYM_API_KEY") or os.environ.get("TRACEGYM_ADMIN_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        return httpx.Client(base_url=self.gateway_url.rstrip("/"), timeout=self.timeout_s, headers=headers)
 
     def init_group(
         self,
@@ -232,83 +228,97 @@ class NcclWeightSync:
         join: Callable[[], Any],
         rank_offset: int = 1,
     ) -> Any:
-        """Post ``/init_weights_update_group`` in the background (it blocks until the trainer joins),
-        run ``join()`` (the trainer's rank-0 rendezvous) meanwhile, and return what ``join`` returned."""
+        """Ask the gateway to have the engine join the group (in the background: the engine's side
+        returns only once the trainer has joined too), run ``join()`` (rank 0's rendezvous) meanwhile,
+        and return what ``join`` returned. If the gateway refuses, ``join`` waits out its own timeout."""
         body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": self.group_name,
-            "backend": self.backend,
+            "master_address": master_address, "master_port": master_port, "world_size": world_size,
+            "rank_offset": rank_offset, "group_name": self.group_name, "backend": self.backend,
         }
         with self._client() as client, ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(self._post, client, "/init_weights_update_group", body)
+            fut = pool.submit(client.post, INIT_ROUTE, json=body)
             joined = join()
-            fut.result(timeout=self.timeout_s)
+            _answer(fut.result(timeout=self.timeout_s), INIT_ROUTE)
         return joined
-
-    def flush_cache(self, client: httpx.Client) -> None:
-        for _ in range(self.flush_retries):
-            self.requests.append("/flush_cache")
-            if client.post("/flush_cache").status_code == 200:
-                return
-            time.sleep(self.flush_interval_s)
-        raise WeightSyncError(f"flush_cache did not succeed after {self.flush_retries} tries")
 
     def push(
         self,
-        named: Iterable[tuple[str, torch.Tensor]],
+        specs: Sequence[tuple[str, Sequence[int]]],
+        params: Iterator[tuple[str, torch.Tensor]],
         version: str | int,
         broadcast: Callable[[list[torch.Tensor]], None],
     ) -> SwapResult:
-        """One update. ``broadcast(tensors)`` sends one bucket from rank 0 of the group, in order."""
+        """One update. ``specs``: every parameter's (name, full shape), in ``params`` order; ``params``:
+        the gathered tensors, lazily (consumed to the end whatever happens: the other ranks take part in
+        every gather); ``broadcast(tensors)`` sends one bucket from rank 0 of the group, in order."""
         version = str(version)
+        to = getattr(torch, self.dtype)
+        buckets = plan_buckets(specs, torch.empty((), dtype=to).element_size(), self.bucket_bytes)
+        body = {"weight_version": version, "group_name": self.group_name,
+                "buckets": [bucket_body(b, self.dtype) for b in buckets]}
         t0 = time.perf_counter()
-        update_s = 0.0
-        with self._client() as client, ThreadPoolExecutor(1) as pool:
-            self._post(client, "/pause_generation", {})
-            try:
-                self.flush_cache(client)
-                if self.begin_end:
-                    self._post(client, "/begin_weight_update", {"selector": "all"})
-                try:
-                    for bucket in bucket_tensors(named, self.bucket_bytes):
-                        body = bucket_payload(bucket, group_name=self.group_name, version=version)
-                        fut = pool.submit(self._post, client, "/update_weights_from_distributed", body)
-                        broadcast([t for _, t in bucket])
-                        tw = time.perf_counter()
-                        fut.result(timeout=self.timeout_s)
-                        update_s += time.perf_counter() - tw
-                finally:
-                    if self.begin_end:
-                        self._post(client, "/end_weight_update", {})
-            finally:
-                self._post(client, "/continue_generation", {})
+        send_s, sent, done = 0.0, 0, None
+        try:
+            with self._client() as client, client.stream("POST", UPDATE_ROUTE, json=body) as resp:
+                if resp.status_code != 200:
+                    resp.read()
+                    _answer(resp, UPDATE_ROUTE)
+                for line in resp.iter_lines():
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if event["event"] == "done":
+                        done = event
+                        break
+                    if event["index"] != sent:
+                        raise WeightSyncError(
+                            f"the gateway announced bucket {event['index']}, expected {sent}"
+                        )
+                    ts = time.perf_counter()
+                    broadcast(_take(params, buckets[sent], to))
+                    send_s += time.perf_counter() - ts
+                    sent += 1
+        finally:
+            for _ in params:
+                pass
         total = time.perf_counter() - t0
-        return SwapResult(version, None, total - update_s, update_s, total)
+        if done is None:
+            raise WeightSyncError(f"the gateway's answer ended after {sent} bucket(s), before the swap did")
+        if not done["success"]:
+            raise WeightSyncError(f"distributed weight update to {version} failed after {sent} of "
+                                  f"{len(buckets)} bucket(s): {done['message']}")
+        return SwapResult(version, None, send_s, total - send_s, total)
 
 
-def nccl_group(
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "nccl",
-    rank: int = 0,
+def _take(
+    params: Iterator[tuple[str, torch.Tensor]], bucket: list[Spec], to: torch.dtype
+) -> list[torch.Tensor]:
+    out = []
+    for name, shape in bucket:
+        got = next(params, None)
+        if got is None or got[0] != name or list(got[1].shape) != shape:
+            raise WeightSyncError(f"expected parameter {name} {shape}, got "
+                                  f"{None if got is None else (got[0], list(got[1].shape))}")
+        out.append(got[1].to(to))
+    return out
+
+
+def weight_update_group(
+    master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl",
+    timeout_s: float = 600.0,
 ) -> Any:
-    """The trainer's side (rank 0) of the weight-update group that SGLang joins in
+    """The trainer's side (rank 0) of the weight-update group the engine joins in
     ``/init_weights_update_group``: a second, independent process group next to the trainer's own,
     built the way SGLang builds its side (``init_custom_process_group``: TCP rendezvous, store prefixed
-    with the group name, torch's private ``_new_process_group_helper``). Unverified on hardware."""
+    with the group name, torch's private ``_new_process_group_helper``)."""
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
     from torch.distributed.rendezvous import rendezvous
 
-    timeout = timedelta(minutes=10)
+    timeout = timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{master_port}"
-    store, rank, size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store, rank, size = next(rendezvous(url, 0, world_size, timeout=timeout))
     store.set_timeout(timeout)
     pg, _ = c10d._new_process_group_helper(
         size, rank, [], backend, c10d.PrefixStore(group_name, store), group_name=group_name, timeout=timeout
@@ -317,42 +327,52 @@ def nccl_group(
     return pg
 
 
-def nccl_broadcast(pg: Any) -> Callable[[list[torch.Tensor]], None]:
-    """Broadcast each tensor of a bucket from rank 0 of ``pg``, in order (what SGLang receives)."""
+def group_broadcast(pg: Any, device: str) -> Callable[[list[torch.Tensor]], None]:
+    """Broadcast each tensor of a bucket from rank 0 of ``pg``, in order (what SGLang receives); on
+    ``cuda`` for NCCL, on ``cpu`` for gloo."""
     import torch.distributed as dist
 
     def send(tensors: list[torch.Tensor]) -> None:
-        on_gpu = [t.cuda().contiguous() for t in tensors]  # kept alive until every broadcast is done
-        handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in on_gpu]
+        on_device = [t.to(device).contiguous() for t in tensors]  # kept alive until every broadcast is done
+        handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in on_device]
         for h in handles:
             h.wait()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     return send
 
 
-def push_nccl(group: Any, sync: NcclWeightSync, version: str | int, dtype: str = "bfloat16") -> SwapResult:
-    """All ranks gather; rank 0 broadcasts to the engine (its group must be set up with
-    ``init_nccl_on_rank0``). ``group`` is a ``WorkerGroup``."""
-    return group.run_on_ranks(_push_on_rank, sync, str(version), dtype)[0]
-
-
-def init_nccl_on_rank0(
-    group: Any, sync: NcclWeightSync, master_address: str, master_port: int, engine_world_size: int
+def init_distributed(
+    group: Any, sync: DistributedWeightSync, master_address: str, master_port: int, engine_world_size: int
 ) -> None:
+    """Set up the weight-update group between rank 0 of ``group`` (a ``WorkerGroup``) and the engine's
+    ``engine_world_size`` ranks, through the gateway."""
     group.run_on_ranks(_init_on_rank, sync, master_address, master_port, engine_world_size + 1)
 
 
-def _init_on_rank(worker: Any, sync: NcclWeightSync, addr: str, port: int, world_size: int) -> None:
+def push_distributed(group: Any, sync: DistributedWeightSync, version: str | int) -> SwapResult:
+    """All ranks gather; rank 0 broadcasts on the gateway's cue (after ``init_distributed``)."""
+    return group.run_on_ranks(_push_on_rank, sync, str(version))[0]
+
+
+def _init_on_rank(worker: Any, sync: DistributedWeightSync, addr: str, port: int, world_size: int) -> None:
     if worker.rank == 0:
-        worker.engine_pg = sync.init_group(
-            addr, port, world_size, lambda: nccl_group(addr, port, world_size, sync.group_name)
+        worker.weight_group = sync.init_group(
+            addr, port, world_size,
+            lambda: weight_update_group(
+                addr, port, world_size, sync.group_name, sync.backend, sync.timeout_s
+            ),
         )
 
 
-def _push_on_rank(worker: Any, sync: NcclWeightSync, version: str, dtype: str) -> SwapResult | None:
+def _push_on_rank(worker: Any, sync: DistributedWeightSync, version: str) -> SwapResult | None:
     params = worker.rank0_full_params()  # the other ranks only take part in the gathers
     if params is None:
         return None
-    to = getattr(torch, dtype)
-    return sync.push(((n, t.to(to)) for n, t in params), version, nccl_broadcast(worker.engine_pg))
+    if worker.weight_group is None:
+        for _ in params:
+            pass
+        raise WeightSyncError("rank 0 has no weight-update group: run init_distributed first")
+    device = "cuda" if sync.backend == "nccl" else "cpu"
+    return sync.push(worker.param_specs(), params, version, group_broadcast(worker.weight_group, device))

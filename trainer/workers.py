@@ -1,17 +1,5 @@
 """Trainer workers: one ``TrainWorker`` per rank holding an FSDP2 shard, and ``WorkerGroup`` driving them.
 
-Decision (1 worker vs N): ``TrainWorker`` is a plain class. ``WorkerGroup(use_ray=True)`` wraps it in
-``ray.remote`` and runs one actor per rank (gloo on CPU, NCCL on GPU); ``use_ray=False`` (only with
-``num_workers=1``) instantiates the very same class in the calling process, so one worker needs no Ray
-at all (no cluster, no ``local_mode``). With one rank there is no process group and no sharding (see
-``fsdp.shard_model``); everything else — batching, loss, clipping, AdamW, checkpoints, weight export —
-is the same code.
-
-One step (``train_step``): the batch is split across ranks by tokens and into micro-batches by token
-budget; every rank runs the same number of micro-batches (empty ones if it has fewer), each a forward
-with ``logits_to_keep`` covering only the loss tokens, ``policy_loss`` with global normalisers, and a
-backward; then gradient clipping and AdamW with the scheduled LR.
-
 Where this departs from PPO as written: one optimizer update per batch. The trainer does recompute the
 old policy's logprobs, but in the same forward that carries the gradient (``old = logprobs.detach()``,
 exact because the weights have not moved yet) rather than in a second, gradient-free pass; it is what
@@ -40,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from tracegym.trainer.batching import (
+from tracegym.trainer.batch import (
     TrainBatch,
     TrainSample,
     add_loss_metrics,
@@ -59,8 +47,9 @@ from tracegym.trainer.fsdp import (
     save_sharded,
     shard_model,
 )
+from tracegym.trainer.lora import LoraSettings, activate, apply_lora, check_checkpoint_base, model_fingerprint
 from tracegym.trainer.losses import PolicyLossConfig, entropy_from_logits, loss_scales, policy_loss
-from tracegym.trainer.models import recover_dir, replace_dir
+from tracegym.trainer.models import cpu_compute_dtype, recover_dir, replace_dir
 from tracegym.trainer.optim import OptimSettings, build_optimizer, set_lr
 from tracegym.trainer.weight_sync import write_weights_dir
 
@@ -75,7 +64,8 @@ class TrainConfig:
     """Token budget of one forward/backward (rows × longest row)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype. Master weights and optimizer state are always fp32; ``bfloat16`` means autocast
-    on CPU (about 2× faster where AMX/AVX512-BF16 exist) and FSDP2 mixed precision on GPU."""
+    on CPU (worth it where the CPU has bf16 matrix units, AMX/AVX512-BF16) and FSDP2 mixed precision on
+    GPU."""
     device: str | None = None
     """``cpu`` or ``cuda`` (default: cuda when present)."""
     seed: int = 0
@@ -85,6 +75,8 @@ class TrainConfig:
     0 turns it off."""
     gradient_checkpointing: bool = False
     torch_threads: int | None = None
+    lora: LoraSettings | None = None
+    """Train these LoRA adapters (``trainer/lora.py``) on a frozen base instead of the full model."""
 
     @classmethod
     def from_recipe(cls, recipe: Any, total_steps: int | None = None) -> TrainConfig:
@@ -99,7 +91,8 @@ class TrainConfig:
         loss_keys = ("clip_low", "clip_high", "agg", "kl_coef", "kl_estimator", "tis_cap", "cispo_clip_low", "cispo_clip_high")
         loss = PolicyLossConfig(name=a.loss, **{k: getattr(a, k) for k in loss_keys})
         return cls(
-            optim=optim, loss=loss, micro_batch_tokens=o.micro_batch_tokens, dtype=o.dtype, seed=recipe.seed
+            optim=optim, loss=loss, micro_batch_tokens=o.micro_batch_tokens, dtype=o.dtype, seed=recipe.seed,
+            lora=LoraSettings.from_recipe(getattr(recipe, "lora", None)),
         )
 
 
@@ -116,6 +109,9 @@ class TrainWorker:
     def __init__(self, model_path: str, cfg: TrainConfig, rank: int, world_size: int) -> None:
         self.model_path, self.cfg, self.rank, self.world_size = Path(model_path), cfg, rank, world_size
         self.step = 0
+        self.weight_group: Any = None
+        """Rank 0's process group with the inference engine, for distributed weight pushes
+        (``weight_sync.init_distributed``)."""
 
     def address(self) -> tuple[str, int]:
         """This host's address and a free port, for the rank-0 rendezvous."""
@@ -128,8 +124,7 @@ class TrainWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         cfg = self.cfg
-        if cfg.torch_threads:
-            torch.set_num_threads(cfg.torch_threads)
+        if cfg.torch_threads: torch.set_num_threads(cfg.torch_threads)  # noqa: E701
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -137,8 +132,10 @@ class TrainWorker:
         init_distributed(self.rank, self.world_size, master_addr, master_port, backend)
         torch.manual_seed(cfg.seed + self.rank)
         random.seed(cfg.seed + self.rank)
+        self.bf16_compute = self.device.type != "cpu" or cpu_compute_dtype(torch.bfloat16) is torch.bfloat16  # fast?
         self.model = self._load(trainable=True)
-        self.ref_model = self._load(trainable=False) if cfg.loss.kl_coef > 0 else None
+        # with LoRA the reference is the same model with its adapters disabled (``_reference``)
+        self.ref_model = self._load(trainable=False) if cfg.loss.kl_coef > 0 and cfg.lora is None else None
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.pad_id = int(self.model.config.pad_token_id or 0)
 
@@ -152,11 +149,28 @@ class TrainWorker:
         model.train(trainable)
         model.requires_grad_(trainable)
         mp = torch.bfloat16 if self.cfg.dtype == "bfloat16" and self.device.type == "cuda" else None
+        if trainable and self.cfg.lora is not None:
+            model.requires_grad_(False)
+            with torch.random.fork_rng(devices=[]):  # every rank initialises the same adapters
+                torch.manual_seed(self.cfg.seed)
+                peft_model = apply_lora(model, self.cfg.lora)  # adapters trainable, base frozen
+            shard_model(peft_model.get_base_model(), param_dtype=mp)  # frozen and adapter params alike
+            return peft_model
         return shard_model(model, param_dtype=mp)
+
+    def _reference(self, mb: Any) -> torch.Tensor | None:
+        """The KL reference's logprobs: the frozen copy, or with LoRA this model with adapters disabled."""
+        if self.ref_model is not None:
+            with torch.no_grad():
+                return token_logprobs(self._forward(self.ref_model, mb), mb.targets)
+        if self.cfg.lora is not None and self.cfg.loss.kl_coef > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                return token_logprobs(self._forward(self.model, mb), mb.targets)
+        return None
 
     def _autocast(self) -> AbstractContextManager[Any]:
         sharded_mp = self.device.type == "cuda" and is_distributed()
-        if self.cfg.dtype == "bfloat16" and not sharded_mp:
+        if self.cfg.dtype == "bfloat16" and not sharded_mp and self.bf16_compute:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -170,9 +184,21 @@ class TrainWorker:
             )
         return out.logits[:, :-1]
 
-    def train_step(self, micro: list[list[TrainSample]], n_micro: int, scales: dict[str, float]) -> dict:
-        """Run this rank's micro-batches (padded to ``n_micro``) and one optimizer step. Returns sums."""
+    def train_step(
+        self,
+        micro: list[list[TrainSample]],
+        n_micro: int,
+        scales: dict[str, float],
+        adapter: str | None = None,
+        advance: bool = True,
+    ) -> dict:
+        """Run this rank's micro-batches (padded to ``n_micro``) and one optimizer step. Returns sums.
+        ``adapter``: the LoRA adapter these samples train (only its parameters get gradients, so the
+        step moves only it); ``advance=False`` keeps the step count (the other adapters of the same
+        training step follow)."""
         t0, c0 = time.perf_counter(), time.process_time()
+        if adapter is not None:
+            activate(self.model, adapter)
         lr = set_lr(self.optimizer, self.step, self.cfg.optim)
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(
@@ -185,10 +211,7 @@ class TrainWorker:
             mb = collate(samples, self.pad_id).to(self.device)
             logits = self._forward(self.model, mb)
             logprobs = token_logprobs(logits, mb.targets)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = token_logprobs(self._forward(self.ref_model, mb), mb.targets)
+            ref = self._reference(mb)
             loss, metrics = policy_loss(
                 self.cfg.loss,
                 logprobs,
@@ -215,7 +238,7 @@ class TrainWorker:
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        self.step += int(advance)
         return sums | {
             "grad_norm": grad_norm,
             "lr": lr,
@@ -243,6 +266,12 @@ class TrainWorker:
         tensors = {k: (v.to(to) if to is not None else v) for k, v in params}
         return str(write_weights_dir(tensors, self.model_path, Path(out_dir)))
 
+    def save_adapters(self, out_root: str, dtype: str | None) -> dict[str, str] | None:
+        """LoRA: every adapter as a PEFT directory under ``out_root`` (collective; ``lora.save_adapters``)."""
+        from tracegym.trainer.lora import save_adapters
+
+        return save_adapters(self, out_root, dtype)
+
     def rank0_full_params(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """On rank 0, the gathered full weights (lazily, one collective per parameter as it is consumed);
         on the other ranks None, after taking part in every gather (their copies are discarded)."""
@@ -252,6 +281,11 @@ class TrainWorker:
         for _ in params:
             pass
         return None
+
+    def param_specs(self) -> list[tuple[str, list[int]]]:
+        """Every parameter's name and full (unsharded) shape, in ``rank0_full_params`` order, without a
+        gather: what a distributed push announces before it broadcasts."""
+        return [(name, list(p.shape)) for name, p in self.model.named_parameters()]
 
     def checksum(self) -> str:
         """sha256 over this rank's gathered full weights (names, shapes, fp32 bytes)."""
@@ -263,11 +297,11 @@ class TrainWorker:
         return h.hexdigest()
 
     def save_checkpoint(self, d: str) -> None:
-        save_sharded(self.model, self.optimizer, Path(d) / "dcp")
+        save_sharded(self.model, self.optimizer, Path(d) / "dcp", frozen=self.cfg.lora is None)
         save_rng(Path(d) / f"rng_rank{self.rank}.pt")
 
     def load_checkpoint(self, d: str) -> int:
-        load_sharded(self.model, self.optimizer, Path(d) / "dcp")
+        load_sharded(self.model, self.optimizer, Path(d) / "dcp", frozen=self.cfg.lora is None)
         load_rng(Path(d) / f"rng_rank{self.rank}.pt")
         self.step = int(json.loads((Path(d) / "trainer_state.json").read_text())["step"])
         return self.step
@@ -276,7 +310,7 @@ class TrainWorker:
         return self.step
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(self, *args)`` on this rank (e.g. the NCCL weight push, see ``weight_sync``)."""
+        """Run ``fn(self, *args)`` on this rank (e.g. the distributed weight push, see ``weight_sync``)."""
         return fn(self, *args)
 
     def close(self) -> None:
@@ -287,7 +321,13 @@ class TrainWorker:
 
 
 class WorkerGroup:
-    """``num_workers`` ranks as Ray actors, or one ``TrainWorker`` in this process (``use_ray=False``)."""
+    """``num_workers`` ranks as Ray actors, or one ``TrainWorker`` in this process (``use_ray=False``).
+
+    ``TrainWorker`` is a plain class: with Ray it runs as one actor per rank (gloo on CPU, NCCL on GPU);
+    without (only with ``num_workers=1``) the very same class runs in the calling process, so one worker
+    needs no Ray at all (no cluster, no ``local_mode``). With one rank there is no process group and no
+    sharding (``fsdp.shard_model``); everything else (batching, loss, clipping, AdamW, checkpoints,
+    weight export) is the same code."""
 
     def __init__(
         self,
@@ -337,23 +377,55 @@ class WorkerGroup:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``; metrics: loss, kl, clip_frac, entropy, mismatch, grad_norm, lr,
-        tokens, tokens_per_s (plus the other ``policy_loss`` metrics)."""
+        tokens, tokens_per_s (plus the other ``policy_loss`` metrics).
+
+        The batch is split across ranks by tokens and into micro-batches by token budget; every rank runs
+        the same number of micro-batches (empty ones if it has fewer), each a forward with
+        ``logits_to_keep`` covering only the loss tokens, ``policy_loss`` with global normalisers, and a
+        backward; then gradient clipping and AdamW with the scheduled LR."""
         if not batch.samples:
             raise ValueError("empty batch")
         t0 = time.perf_counter()
-        samples = batch.samples
+        lora = self.cfg.lora
+        if lora is None or not lora.per_agent:
+            per_rank = self._rank_steps(batch.samples, None, advance=True)
+            return combine_metrics(per_rank, time.perf_counter() - t0, self.world_size)
+        # one adapter per agent: each adapter's own samples, loss normalisers and optimizer step
+        by_adapter = {name: [s for s in batch.samples if s.adapter == name] for name in lora.names}
+        todo = [(name, ss) for name, ss in by_adapter.items() if ss]
+        if not todo:
+            raise ValueError("no sample of the batch is routed to an adapter")
+        every: list[dict[str, float]] = []
+        extra: dict[str, float] = {}
+        for i, (name, ss) in enumerate(todo):
+            ts = time.perf_counter()
+            per_rank = self._rank_steps(ss, name, advance=i == len(todo) - 1)
+            m = combine_metrics(per_rank, time.perf_counter() - ts, self.world_size)
+            extra |= {f"{k}/{name}": m[k] for k in ("loss", "grad_norm", "loss_tokens")}
+            every += per_rank
+        out = combine_metrics(every, time.perf_counter() - t0, self.world_size)
+        out["grad_norm"] = max(extra[f"grad_norm/{n}"] for n, _ in todo)
+        return out | extra
+
+    def _rank_steps(self, samples: list[TrainSample], adapter: str | None, *, advance: bool) -> list[dict]:
+        """One optimizer step on ``samples`` over every rank; the ranks' sums."""
         plan, n_micro = plan_step(
             [len(s.token_ids) for s in samples], self.world_size, self.cfg.micro_batch_tokens
         )
         scales = loss_scales(*(torch.tensor([s.loss_mask]) for s in samples), world_size=self.world_size)
-        args = [([[samples[i] for i in g] for g in rank_plan], n_micro, scales) for rank_plan in plan]
-        per_rank = self._call_all("train_step", args)
-        return combine_metrics(per_rank, time.perf_counter() - t0, self.world_size)
+        args = [([[samples[i] for i in g] for g in rank_plan], n_micro, scales, adapter, advance)
+                for rank_plan in plan]
+        return self._call_all("train_step", args)
 
     def save_weights(self, out_dir: Path, dtype: str | None = None) -> Path:
         """Gathered full weights → ``out_dir`` (safetensors + config + tokenizer files), written atomically."""
         paths = self._same("save_weights", str(out_dir), dtype)
         return Path(paths[0])
+
+    def save_adapters(self, out_root: Path, dtype: str | None = None) -> dict[str, Path]:
+        """LoRA runs: every adapter as a PEFT directory under ``out_root`` (``{name: path}``)."""
+        paths = self._same("save_adapters", str(out_root), dtype)[0]
+        return {name: Path(p) for name, p in paths.items()}
 
     def state_dict_checksum(self) -> list[str]:
         return self._same("checksum")
@@ -368,6 +440,8 @@ class WorkerGroup:
         tmp.mkdir(parents=True)
         self._same("save_checkpoint", str(tmp))
         state = {"step": self.step, "world_size": self.world_size, "extra": extra or {}}
+        if self.cfg.lora is not None:  # checked on resume: adapters fit only the base they were trained on
+            state["lora_base"] = model_fingerprint(self.model_path)
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         return replace_dir(tmp, d)
 
@@ -377,8 +451,10 @@ class WorkerGroup:
         d = recover_dir(Path(d))
         if not (d / "trainer_state.json").is_file():
             raise FileNotFoundError(f"{d} is not a trainer checkpoint (no trainer_state.json)")
-        self._same("load_checkpoint", str(d))
         state = json.loads((d / "trainer_state.json").read_text())
+        if self.cfg.lora is not None:
+            check_checkpoint_base(state, d, self.model_path)
+        self._same("load_checkpoint", str(d))
         return {**state["extra"], "step": state["step"]}
 
     @property
@@ -387,7 +463,8 @@ class WorkerGroup:
         return self._same("get_step")[0]
 
     def run_on_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """``fn(worker, *args)`` on every rank at once (for collectives such as the NCCL weight push)."""
+        """``fn(worker, *args)`` on every rank at once (for collectives such as the distributed weight
+        push)."""
         return self._same("run", fn, *args)
 
     def shutdown(self) -> None:

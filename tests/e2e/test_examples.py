@@ -1,4 +1,4 @@
-"""The three framework examples run by `tracegym run` against a real `tracegym serve --engine embedded
+"""The framework examples run by `tracegym run` against a real `tracegym serve --engine embedded
 --model tiny-random` (one gateway for the module): every rollout completes, every LLM call is a span
 under its rollout id, and the reward the agent sent is stored."""
 
@@ -14,10 +14,11 @@ import pytest
 
 from tests.procs import ManagedProcess
 from tracegym.client import GatewayClient, SDKConfig
-from tracegym.runner import read_tasks
+from tracegym.tasks import read_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = ["openai", "langchain", "autogen"]
+EXAMPLES = ["openai", "langchain", "autogen", "openai_agents", "anthropic"]
+API = {"openai_agents": "responses", "anthropic": "messages"}  # the others call Chat Completions
 
 
 def run_example(name: str, gateway_url: str) -> subprocess.CompletedProcess[str]:
@@ -28,7 +29,7 @@ def run_example(name: str, gateway_url: str) -> subprocess.CompletedProcess[str]
         "TRACEGYM_MAX_TOKENS": "8",  # tiny-random writes garbage: keep the calls short
     }
     argv = [sys.executable, "-m", "tracegym.cli", "run", f"examples/{name}/agent.py:agent"]
-    argv += ["--gateway", gateway_url, "--concurrency", "3", "--exit-when-idle"]
+    argv += ["--gateway", gateway_url, "--concurrency", "3"]
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -41,6 +42,8 @@ def test_example(name: str, gateway: ManagedProcess) -> None:
         res = run_example(name, gateway.base_url)
         assert res.returncode == 0, res.stderr[-4000:] + gateway.log()
         assert f"done {len(rids)} | failed 0 | running 0" in res.stderr, res.stderr[-4000:]
+        # the runner's console: no INFO line per request or per framework event (AutoGen's are KBs each)
+        assert not [line for line in res.stderr.splitlines() if line.startswith("INFO ")], res.stderr[-4000:]
         for rid, task_id in rids.items():
             rollout = client.get_rollout(rid)
             assert (rollout["status"], rollout["task_id"]) == ("completed", task_id), rollout
@@ -52,6 +55,7 @@ def test_example(name: str, gateway: ManagedProcess) -> None:
             for span in llm:
                 assert span["rollout_id"] == rid and span["status"] == "ok"
                 assert span["name"] == "chat tiny-random"
+                assert span["attributes"]["tracegym.api"] == API.get(name, "chat")
                 assert span["prompt_ids"] and span["choices"][0]["output_ids"]
                 assert span["attributes"]["tracegym.request"]["messages"][-1]["role"] in ("user", "tool")
 

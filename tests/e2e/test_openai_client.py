@@ -129,6 +129,10 @@ def test_upstream_down_and_timeout(tiny_model_dir: Path, tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_smollm2_answers_two_plus_three(tmp_path: Path) -> None:
+    """The real model answers through each API the gateway speaks: Chat Completions, Responses (also
+    streamed) and Anthropic Messages, with one greedy answer (the three render the same chat prompt)."""
+    import anthropic
+
     from tracegym.trainer.models import prepare_model
 
     prepare_model("smollm2-135m")
@@ -136,4 +140,16 @@ def test_smollm2_answers_two_plus_three(tmp_path: Path) -> None:
                 timeout=600) as gw:
         c = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
         r = c.chat.completions.create(model="smollm2-135m", messages=Q, max_tokens=48, temperature=0)
-        assert "5" in r.choices[0].message.content, r.choices[0].message.content
+        chat = r.choices[0].message.content
+        assert "5" in chat, chat
+        resp = c.responses.create(model="smollm2-135m", input=Q[0]["content"], max_output_tokens=48,
+                                  temperature=0)
+        assert resp.output_text == chat, (resp.output_text, chat)
+        with c.responses.stream(model="smollm2-135m", input=Q[0]["content"], max_output_tokens=48,
+                                temperature=0) as stream:
+            streamed = "".join(ev.delta for ev in stream if ev.type == "response.output_text.delta")
+        assert streamed == chat, (streamed, chat)
+        a = anthropic.Anthropic(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=300)
+        msg = a.messages.create(model="smollm2-135m", max_tokens=48, messages=Q,
+                                 extra_body={"temperature": 0})  # anthropic 2.x dropped the argument
+        assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == chat, (msg.content, chat)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import serve_tiny
-from tests.gateway.test_app_support import sse_payloads
+from tests.gateway.app_support import sse_payloads
 from tests.procs import ManagedProcess
 
 MODEL = "tiny-random"
@@ -27,7 +27,8 @@ Q = [{"role": "user", "content": "Tell me a long story."}]
 @pytest.fixture(scope="module")
 def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
     """Its own gateway: these tests swap the engine's weights."""
-    with serve_tiny(tmp_path_factory.mktemp("e2e-swap")) as p:
+    # the weights root: pytest's base temporary directory, where every test writes its weights
+    with serve_tiny(tmp_path_factory.mktemp("e2e-swap"), "--weights-dir", str(tmp_path_factory.getbasetemp())) as p:
         yield p
 
 

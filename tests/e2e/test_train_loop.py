@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,6 +46,7 @@ def _train(recipe: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_train_loop_swaps_weights_and_resumes(tmp_path: Path, tiny_model_dir: Path) -> None:
     recipe = _write_recipe(tmp_path, steps=2)
     res = _train(recipe)
@@ -60,9 +63,16 @@ def test_train_loop_swaps_weights_and_resumes(tmp_path: Path, tiny_model_dir: Pa
     assert (run / "reward_curve.png").stat().st_size > 1000
     assert "eval reward after" in (run / "summary.md").read_text()
     assert (run / "checkpoint" / "trainer_state.json").is_file()
+    # The run's gateway had a random admin key: kept for the inspector's login, never in a log.
+    key = (run / "admin_key").read_text().strip()
+    assert len(key) >= 32 and (run / "admin_key").stat().st_mode & 0o777 == 0o600
+    assert f"admin key: {run / 'admin_key'}" in res.stderr
+    for log in ("engine.log", "gateway.log", "runner.log"):
+        assert key not in (run / "logs" / log).read_text(), log
 
     # Every swap became a weight version, and the final evaluation ran on the last one.
-    from tracegym.gateway.store import Store
+    from tracegym.gateway.traces.reads import list_call_records
+    from tracegym.gateway.traces.store import Store
 
     store = Store.open(f"sqlite:///{run / 'tracegym.db'}")
     try:
@@ -71,7 +81,7 @@ def test_train_loop_swaps_weights_and_resumes(tmp_path: Path, tiny_model_dir: Pa
         assert {str(i) for i in range(1, swaps + 1)} <= versions
         final_eval, _ = store.list_rollouts(status="completed", limit=500)
         last = max(final_eval, key=lambda r: r["finished_at"])
-        calls = store.list_call_records(last["rollout_id"])
+        calls = list_call_records(store, last["rollout_id"])
         assert calls and calls[-1].weight_version == str(swaps if swaps else 0)
         assert store.list_metrics("looptest"), "per-step metrics must reach the store"
     finally:
@@ -93,6 +103,7 @@ def test_bad_recipe_is_a_clear_error(tmp_path: Path) -> None:
     assert "group_size" in res.stderr
 
 
+@pytest.mark.slow
 def test_async_mode_trains_on_fresh_groups(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Asynchronous mode: runners never stop, the queue stays two batches deep, and each step trains on
     finished groups within ``max_staleness`` weight versions of the current one."""

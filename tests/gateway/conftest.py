@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tracegym.gateway.store import Store
+from tracegym.gateway.traces.store import Store
 
 
 @pytest.fixture

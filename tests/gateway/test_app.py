@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.gateway.test_app_support import (
+from tests.gateway.app_support import (
     ADD_TOOL,
     REPLY,
     TOOL_REPLY,
@@ -23,11 +23,11 @@ from tests.gateway.test_app_support import (
 )
 from tests.procs import ManagedProcess
 from tracegym.gateway.app import create_app
-from tracegym.gateway.fastpath import HotFront
-from tracegym.gateway.routes.openai import HOT_ROUTES
+from tracegym.gateway.proxy.front import HotFront
+from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
+from tracegym.gateway.proxy.routes import HOT_ROUTES
 from tracegym.gateway.serve import settings_from_args
 from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
-from tracegym.gateway.templating import ChatTokenizer
 
 MODEL = "tiny-random"
 Q = [{"role": "user", "content": "What is 2+3?"}]
@@ -270,7 +270,8 @@ def test_chunked_body_without_content_length(gw) -> None:
     r = httpx.post(srv.url + "/v1/chat/completions", content=chunks(ok), headers={"Content-Type": "application/json"})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == REPLY
     big = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 30_000}]})
-    r = httpx.post(srv.url + "/v1/chat/completions", content=chunks(big), timeout=30)
+    r = httpx.post(srv.url + "/v1/chat/completions", content=chunks(big), timeout=30,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 

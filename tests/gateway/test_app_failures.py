@@ -11,11 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.test_app_support import REPO, MemoryRecorder, ServerThread, sse_payloads, start_fake
+from tests.gateway.app_support import REPO, MemoryRecorder, ServerThread, sse_payloads, start_fake
 from tests.procs import free_port
 from tracegym.gateway.app import create_app
+from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 from tracegym.gateway.settings import GatewaySettings
-from tracegym.gateway.templating import ChatTokenizer
 
 MODEL = "tiny-random"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}

@@ -3,6 +3,7 @@ uses, with knobs for failure injection. The real gateway is tested in test_runne
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 import uuid
@@ -14,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tests.procs import free_port
+from tracegym.client import GatewayClient, config_for
 
 
 @dataclass
@@ -31,8 +33,14 @@ class FakeState:
     spans: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     heartbeats: list[str] = field(default_factory=list)
     lost: set[str] = field(default_factory=set)
+    hold_heartbeats: set[str] = field(default_factory=set)
+    """Rollout ids whose heartbeats are answered only once the rollout has stopped running (within 10 s):
+    a heartbeat that crosses the rollout's own complete/fail, and so reaches a finished rollout."""
     reject_complete: str | None = None
     """Answer every ``complete`` with 400 and this message (a result the gateway refuses)."""
+    fail_on_enqueue: int = 0
+    """Set ``fail_next`` to this when the next task is enqueued, atomically with queueing it (so a claim
+    already in flight cannot take the task before the failures are armed)."""
     fail_finish: int = 0
     """Answer the next N ``complete``/``fail`` requests with 503, without acting on them."""
     finish_calls: list[tuple[str, str]] = field(default_factory=list)
@@ -129,8 +137,11 @@ def build_app(state: FakeState) -> FastAPI:
                     "traceback": None,
                     "created_at": time.time(),
                 }
-                state.rollouts[rid] = r
-                state.queue.append(r)
+                with state.lock:
+                    state.rollouts[rid] = r
+                    state.queue.append(r)
+                    if state.fail_on_enqueue:
+                        state.fail_next, state.fail_on_enqueue = state.fail_on_enqueue, 0
                 rids.append(rid)
             out.append({"task_id": tid, "group_id": gid, "rollout_ids": rids})
         with state.lock:
@@ -141,10 +152,11 @@ def build_app(state: FakeState) -> FastAPI:
 
     @app.post("/api/rollouts/claim")
     async def claim(request: Request) -> Any:
-        if (resp := maybe_fail()) is not None:
-            return resp
         body = await request.json()
-        with state.lock:
+        with state.lock:  # the failure check and the take in one step (see fail_on_enqueue)
+            if state.fail_next > 0 and not state.store_then_fail:
+                state.fail_next -= 1
+                return _err(503, "injected failure")
             got = state.queue[: body.get("limit", 1)]
             del state.queue[: len(got)]
             for r in got:
@@ -163,7 +175,13 @@ def build_app(state: FakeState) -> FastAPI:
     @app.post("/api/rollouts/{rid}/heartbeat")
     async def heartbeat(rid: str, request: Request) -> Any:
         state.heartbeats.append(rid)
-        resp = finish(rid, await request.json())
+        body = await request.json()
+        deadline = time.monotonic() + 10
+        while rid in state.hold_heartbeats and state.rollouts[rid]["status"] == "running":
+            if time.monotonic() > deadline:
+                return _err(400, f"held heartbeat: {rid} still running after 10 s")
+            await asyncio.sleep(0.01)
+        resp = finish(rid, body)
         return resp if isinstance(resp, JSONResponse) else {"lease_expires_at": "later"}
 
     def finish_refused(kind: str, rid: str) -> JSONResponse | None:
@@ -264,3 +282,15 @@ class FakeGateway:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def enqueue(gw: FakeGateway, inputs: list[Any], group_size: int = 1) -> list[str]:
+    """Enqueue one task per input on ``gw`` (the SDK configured for it); the new rollout ids."""
+    with GatewayClient(config_for(gw.url)) as c:
+        out = c.enqueue_tasks([{"input": i} for i in inputs], group_size=group_size)
+    return [rid for t in out for rid in t["rollout_ids"]]
+
+
+def status(gw: FakeGateway, rids: list[str]) -> list[tuple[str, Any]]:
+    """(status, reward) of each rollout."""
+    return [(gw.state.rollouts[r]["status"], gw.state.rollouts[r]["reward"]) for r in rids]

@@ -12,6 +12,7 @@ import tracegym as tg
 from tests.sdk.fake_gateway import FakeGateway
 from tracegym import cli
 from tracegym.client import GatewayClient, _retry_reason, config_for, current_config
+from tracegym.errors import UserError
 
 
 def test_retry_reason() -> None:
@@ -61,7 +62,7 @@ def test_config_for(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="http://"):
         config_for("gw.example")
 
-    from tracegym.trainer.control import ControlClient
+    from tracegym.trainer.gateway_client import ControlClient
 
     ctl = ControlClient("http://gw.example:8000/", timeout=60.0)
     try:
@@ -83,16 +84,16 @@ def _missing(name: str) -> Callable[[str], None]:
     return import_module
 
 
-def test_cli_names_the_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_names_the_missing_extra(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(cli.importlib, "import_module", _missing("fastapi"))
-    with pytest.raises(SystemExit) as err:
-        cli.main(["serve"])
-    assert "'fastapi' package is not installed" in str(err.value.code)
-    assert "pip install 'tracegym[gateway]'" in str(err.value.code)
+    assert cli.main(["serve"]) == 2  # a usage error: its message, no traceback
+    err = capsys.readouterr().err
+    assert "'fastapi' package is not installed" in err and "pip install 'tracegym[gateway]'" in err
+    assert "Traceback" not in err
     monkeypatch.setattr(cli.importlib, "import_module", _missing("torch"))
-    with pytest.raises(SystemExit, match=r"tracegym\[trainer\]"):
+    with pytest.raises(UserError, match=r"tracegym\[trainer\]"):
         cli._load("models")
-    with pytest.raises(SystemExit, match=r"tracegym\[gateway,trainer\]"):
+    with pytest.raises(UserError, match=r"tracegym\[gateway,trainer\]"):
         cli._load("train")
 
 

@@ -24,7 +24,7 @@ def test_import_tracegym_is_light() -> None:
 
 
 def test_runner_and_export_modules_are_light() -> None:
-    got = _modules_after("import tracegym.runner, tracegym.export, tracegym.cli")
+    got = _modules_after("import tracegym.runner, tracegym.queue_commands, tracegym.export, tracegym.cli")
     assert [m for m in HEAVY if m in got["mods"]] == []
 
 

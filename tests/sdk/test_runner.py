@@ -1,35 +1,19 @@
-"""The runner against the fake gateway: rewards, failures, concurrency, stopping, leases, the CLI."""
+"""The runner in process against the fake gateway: rewards, failures, concurrency, stopping, leases."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import signal
+import itertools
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tracegym as tg
-from tests.procs import ManagedProcess, start_process
 from tests.sdk import agents
-from tests.sdk.fake_gateway import FakeGateway
-from tracegym.client import GatewayClient
-from tracegym.runner import Runner, as_reward, enqueue_main, load_target, read_tasks, run_agent
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def enqueue(gw: FakeGateway, inputs: list[Any], group_size: int = 1) -> list[str]:
-    with GatewayClient() as c:
-        out = c.enqueue_tasks([{"input": i} for i in inputs], group_size=group_size)
-    return [rid for t in out for rid in t["rollout_ids"]]
-
-
-def status(gw: FakeGateway, rids: list[str]) -> list[tuple[str, Any]]:
-    return [(gw.state.rollouts[r]["status"], gw.state.rollouts[r]["reward"]) for r in rids]
+from tests.sdk.fake_gateway import FakeGateway, enqueue, status
+from tracegym.runner import Runner, run_agent
 
 
 async def test_returned_float_completes_with_reward(gw: FakeGateway) -> None:
@@ -126,10 +110,49 @@ async def test_lost_lease_drops_result(gw: FakeGateway) -> None:
     assert gw.state.rollouts[rids[0]]["status"] == "running"  # nothing written over the new owner
 
 
+async def test_heartbeat_crossing_the_complete_is_not_a_lost_lease(gw: FakeGateway) -> None:
+    a, b = enqueue(gw, [{"sleep": 0.5}, {"wait": True}])
+    gw.state.hold_heartbeats.add(a)  # a's heartbeat reaches the gateway after a's complete: 409
+
+    async def agent(task: dict[str, Any], base_url: str) -> float:
+        if task.get("wait"):
+            # b keeps the runner going until the heartbeat round with a's 409 has been handled: the
+            # next round (b's second heartbeat) starts only after it
+            deadline = time.monotonic() + 10
+            while gw.state.heartbeats.count(b) < 2:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+        else:
+            await asyncio.sleep(task["sleep"])
+        return 1.0
+
+    stats = await run_agent(agent, gw.url, lease_seconds=0.6, exit_when_idle=True, poll_interval=0.05)
+    assert a in gw.state.heartbeats, "no heartbeat was sent while a ran: nothing crossed"
+    assert (stats.done, stats.lost, stats.failed) == (2, 0, 0)
+    assert status(gw, [a, b]) == [("completed", 1.0), ("completed", 1.0)]
+
+
 async def test_reclaimed_rollout_keeps_its_new_run(gw: FakeGateway) -> None:
-    (rid,) = enqueue(gw, [{"sleep": 0.8}])
-    gw.state.lost.add(rid)  # the first run's heartbeat finds its lease lost; its sync agent runs on
-    runner = Runner(agents.slow, gw.url, lease_seconds=0.6, exit_when_idle=True, poll_interval=0.05)
+    """A sync run whose lease was lost runs on (a thread cannot be stopped); the gateway requeues the
+    rollout and this runner claims it back. The abandoned run ending must not drop the new run's flight."""
+    (rid,) = enqueue(gw, [{}])
+    gw.state.lost.add(rid)  # the first run's heartbeat finds its lease lost
+    second_started, first_ended = threading.Event(), threading.Event()
+    calls = itertools.count()
+
+    def agent(task: Any, base_url: str) -> float:
+        if next(calls) == 0:  # the abandoned run: it ends while the second one is in flight
+            assert second_started.wait(10)
+            first_ended.set()
+        else:
+            second_started.set()
+            assert first_ended.wait(10)
+            # room for the loop to drop the first run's flight before this one ends (without it the
+            # test would pass on a runner that dropped the wrong flight, never fail on a correct one)
+            time.sleep(0.2)
+        return 1.0
+
+    runner = Runner(agent, gw.url, lease_seconds=0.6, exit_when_idle=True, poll_interval=0.05)
     task = asyncio.create_task(runner.run())
     deadline = time.monotonic() + 5
     while runner.stats.lost == 0:
@@ -139,8 +162,8 @@ async def test_reclaimed_rollout_keeps_its_new_run(gw: FakeGateway) -> None:
         gw.state.lost.discard(rid)
         gw.state.rollouts[rid]["status"] = "queued"
         gw.state.queue.append(gw.state.rollouts[rid])
-    stats = await asyncio.wait_for(task, 10)
-    # the abandoned first run ending (~0.8 s) must not drop the second run's flight (ends ~0.3 s later)
+    stats = await asyncio.wait_for(task, 20)
+    assert first_ended.is_set()
     assert (stats.lost, stats.done, stats.failed) == (1, 1, 0)
     assert status(gw, [rid]) == [("completed", 1.0)]
 
@@ -153,18 +176,6 @@ async def test_nan_return_fails_the_rollout(gw: FakeGateway) -> None:
     assert r["error"].startswith("ValueError: the agent returned float nan")
     assert "must be finite" in r["error"] and "expected a float or None" in r["error"]
     assert gw.state.finish_calls == [("fail", rid)]
-
-
-def test_as_reward() -> None:
-    assert as_reward(None) is None and as_reward(1) == 1.0 and as_reward(0.5) == 0.5
-    for bad, err in [
-        (float("inf"), ValueError),
-        (float("nan"), ValueError),
-        (True, TypeError),
-        ("1", TypeError),
-    ]:
-        with pytest.raises(err, match="expected a float or None"):
-            as_reward(bad)
 
 
 async def test_refused_result_fails_with_the_gateways_message(gw: FakeGateway) -> None:
@@ -200,10 +211,11 @@ async def test_claim_errors_after_the_first_claim_are_retried(gw: FakeGateway) -
     while gw.state.queue:  # until the first claim went through
         assert time.monotonic() < deadline
         await asyncio.sleep(0.01)
-    enqueue(gw, [{"sleep": 0}])  # blocks the loop: no claim can come between these two lines
-    # the next two claims answer 503: the client does not repeat a claim (it is not idempotent), the
-    # runner claims again at its next poll
-    gw.state.fail_next = 2
+    # the two claims after this task is queued answer 503 (armed as it is queued: a claim in flight
+    # cannot slip in between); the client does not repeat a claim (it is not idempotent), the runner
+    # claims again at its next poll
+    gw.state.fail_on_enqueue = 2
+    enqueue(gw, [{"sleep": 0}])
     stats = await asyncio.wait_for(task, 10)
     assert stats.done == 2 and gw.state.fail_next == 0
 
@@ -216,77 +228,16 @@ async def test_unreachable_gateway_fails_fast() -> None:
         await run_agent(agents.echo_reward, f"http://127.0.0.1:{free_port()}", exit_when_idle=True)
 
 
-def test_load_target(tmp_path: Path) -> None:
-    assert load_target("tests.sdk.agents:echo_reward") is agents.echo_reward
-    f = tmp_path / "my_agent.py"
-    f.write_text("def agent(task, base_url):\n    return 1.0\n")
-    assert load_target(f"{f}:agent")({}, "") == 1.0
-    for bad, err in [
-        ("nocolon", ValueError),
-        (f"{f}:missing", AttributeError),
-        ("x.py:f", FileNotFoundError),
-    ]:
-        with pytest.raises(err):
-            load_target(bad)
+async def test_agent_given_as_a_target_string(gw: FakeGateway) -> None:
+    (rid,) = enqueue(gw, [{"reward": 0.5}])
+    stats = await run_agent(
+        "tests/sdk/agents.py:echo_reward", gw.url, exit_when_idle=True, poll_interval=0.05
+    )
+    assert stats.done == 1 and status(gw, [rid]) == [("completed", 0.5)]
+
+
+def test_runner_checks_its_settings() -> None:
     with pytest.raises(ValueError, match="concurrency"):
         Runner(agents.slow, concurrency=0)
-
-
-def test_read_tasks(tmp_path: Path) -> None:
-    f = tmp_path / "t.jsonl"
-    f.write_text('{"task_id": "a", "input": {"q": 1}}\n\n{"q": 2}\n"plain"\n{"input": 3, "split": "test"}\n')
-    assert read_tasks(f) == [
-        {"task_id": "a", "input": {"q": 1}},
-        {"input": {"q": 2}},
-        {"input": "plain"},
-        {"input": 3, "split": "test"},
-    ]
-    f.write_text('{"input": 1, "answer": 2}\n')
-    with pytest.raises(ValueError, match="unknown task fields"):
-        read_tasks(f)
-    f.write_text("{oops\n")
-    with pytest.raises(ValueError, match=r"t.jsonl:1: not valid JSON"):
-        read_tasks(f)
-
-
-def test_enqueue_main(gw: FakeGateway, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    f = tmp_path / "t.jsonl"
-    f.write_text('{"task_id": "a", "input": 1}\n{"q": 2}\n')
-    args = argparse.Namespace(dataset=str(f), gateway=gw.url, group_size=3, max_attempts=2)
-    assert enqueue_main(args) == 0
-    assert "enqueued 2 tasks, 6 rollouts" in capsys.readouterr().out
-    assert [r["task_id"] for r in gw.state.queue].count("a") == 3 and len(gw.state.queue) == 6
-
-
-def _cli(args: list[str], tmp_path: Path) -> ManagedProcess:
-    """``tracegym ARGS`` in its own process group, output in a log: ``with`` kills it whatever happens."""
-    log = tmp_path / f"cli-{time.monotonic_ns()}.log"
-    env = {"PYTHONPATH": str(REPO)}
-    return start_process(["tracegym", *args], port=None, log_path=log, env=env, cwd=REPO)
-
-
-def test_cli_run_exit_when_idle(gw: FakeGateway, tmp_path: Path) -> None:
-    rids = enqueue(gw, [{"reward": 1.0}, {"reward": 0.0}])
-    args = ["run", "tests/sdk/agents.py:echo_reward", "--gateway", gw.url, "--exit-when-idle"]
-    with _cli(args, tmp_path) as run:
-        returncode = run.proc.wait(timeout=60)
-        err = run.log()
-    assert returncode == 0, err
-    assert status(gw, rids) == [("completed", 1.0), ("completed", 0.0)]
-    assert "done 2 | failed 0 | running 0 | mean reward 0.500" in err  # the final progress line
-
-
-def test_cli_sigint_releases_in_flight(gw: FakeGateway, tmp_path: Path) -> None:
-    rids = enqueue(gw, [{"sleep": 30}])
-    with _cli(["run", "tests.sdk.agents:slow", "--gateway", gw.url], tmp_path) as run:
-        deadline = time.monotonic() + 30
-        while gw.state.rollouts[rids[0]]["status"] != "running" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        run.proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)
-        run.proc.send_signal(signal.SIGINT)  # the second one skips the grace period
-        returncode = run.proc.wait(timeout=20)
-        err = run.log()
-    assert returncode == 0, err
-    assert status(gw, rids) == [("queued", None)]
-    assert "released 1" in err
+    with pytest.raises(ValueError, match="lease_seconds"):
+        Runner(agents.slow, lease_seconds=0)

@@ -81,7 +81,7 @@ async def test_heartbeats_keep_the_lease(client: GatewayClient, gateway: Managed
 
 def test_sigterm_releases(client: GatewayClient, gateway: ManagedProcess, tmp_path: Path) -> None:
     (rid,) = enqueue(client, [{"sleep": 60}])
-    argv = ["tracegym", "run", "tests.sdk.agents:slow", "--gateway", gateway.base_url]
+    argv = ["tracegym", "run", "tests.sdk.agents:slow", "--gateway", gateway.base_url, "--follow"]
     log = tmp_path / "run.log"
     # in its own process group, killed with it when the block ends (even on a failed assert)
     with start_process(argv, port=None, log_path=log, env={"PYTHONPATH": str(ROOT)}, cwd=ROOT) as run:

@@ -1,86 +1,47 @@
-"""Weight export and the request sequences of the disk and NCCL weight updates.
+"""Weight export and the trainer's side of the weight pushes, always through a real gateway (the trainer
+never talks to the engine's weight or pause routes; the gateway's coordinator runs the sequences).
 
-The NCCL path cannot run here (no GPUs): its HTTP sequence and payloads are checked against a recording
-HTTP server that answers like SGLang (SGLANG.md §3), with the broadcast injected as a function."""
+Disk: a real ``tracegym engine`` process behind the gateway: the pushed weights are what the engine
+serves afterwards; a corrupt push is refused and the old weights stay.
+
+Distributed: the client against the gateway and the SGLang fake — the buckets it announces, that it
+broadcasts each one only once the gateway has cued it, in order, and that it consumes every gathered
+parameter even when the swap fails. There the "broadcast" tells the fake a bucket was sent; it is no
+collective. Then one real gloo broadcast: a ``WorkerGroup`` pushes through the gateway to
+``weight_receiver.py``, a stand-in that joins the group as SGLang does and receives what is announced.
+Not exercised here: NCCL, GPUs, and SGLang's own receiving code."""
 
 from __future__ import annotations
 
-import json
-import threading
+import sys
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
+from tests.gateway.app_support import REPO, MemoryRecorder, ServerThread, start_fake
+from tests.procs import ManagedProcess, free_port, start_process
+from tracegym.gateway.app import create_app
+from tracegym.gateway.settings import GatewaySettings
 from tracegym.trainer.weight_sync import (
     DiskWeightSync,
-    NcclWeightSync,
+    DistributedWeightSync,
     WeightSyncError,
-    bucket_tensors,
+    init_distributed,
+    plan_buckets,
+    push_distributed,
     write_weights_dir,
 )
 
 
-class Recorder:
-    """A real HTTP server recording ``(path, body)``; ``/update_weights_from_distributed`` answers only
-    once the test's broadcast for that bucket has run (as SGLang's handler returns after receiving)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.fail: set[str] = set()
-        self.flush_busy = 0
-        self.bucket_received = threading.Event()
-        self.broadcast_done = threading.Event()
-        self.lock = threading.Lock()
-
-    def handle(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        with self.lock:
-            self.calls.append((path, body))
-        if path in self.fail:
-            return 400, {"success": False, "message": f"{path} refused"}
-        if path == "/flush_cache":
-            if self.flush_busy:
-                self.flush_busy -= 1
-                return 400, {"message": "requests running"}
-            return 200, {}
-        if path == "/update_weights_from_distributed":
-            self.bucket_received.set()
-            if not self.broadcast_done.wait(10):
-                return 500, {"success": False, "message": "no broadcast"}
-            self.broadcast_done.clear()
-        return 200, {"success": True, "message": "ok"}
-
-
-@pytest.fixture
-def recorder() -> Iterator[tuple[Recorder, str]]:
-    rec = Recorder()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            n = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(n) if n else b""
-            status, body = rec.handle(self.path, json.loads(raw) if raw else {})
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield rec, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+def _gateway(upstream: str, model_dir: Path, kind: str = "sglang", weights_dir: Path | None = None) -> ServerThread:
+    """``weights_dir``: the gateway's weights root (pytest's base temporary directory holds every tmp_path)."""
+    settings = GatewaySettings(upstream_url=upstream, upstream_kind=kind, model=str(model_dir), store_url=None,
+                               weights_dir=str(weights_dir) if weights_dir else None)
+    return ServerThread(create_app(settings, recorder=MemoryRecorder()))
 
 
 def test_write_weights_dir_loads_with_from_pretrained(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -97,128 +58,235 @@ def test_write_weights_dir_loads_with_from_pretrained(tiny_model_dir: Path, tmp_
     assert torch.equal(loaded.lm_head.weight, tensors["model.embed_tokens.weight"])
 
 
-class FakeGroup:
+# --- disk ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[tuple[ManagedProcess, ServerThread]]:
+    port = free_port()
+    engine = start_process(["tracegym", "engine", "--model", str(tiny_model_dir), "--port", str(port)],
+                           port=port, log_path=tmp_path_factory.mktemp("engine") / "engine.log")
+    try:
+        with _gateway(engine.base_url, tiny_model_dir, weights_dir=tmp_path_factory.getbasetemp()) as gw:
+            yield engine, gw
+    finally:
+        engine.stop()
+
+
+class PerturbedGroup:
+    """What ``DiskWeightSync`` needs of a ``WorkerGroup``: tiny-random's weights, shifted per save."""
+
     def __init__(self, model_dir: Path) -> None:
+        from safetensors.torch import load_file
+
         self.model_dir = model_dir
-        self.saved: list[Path] = []
+        self.base = load_file(str(model_dir / "model.safetensors"))
+        self.saves = 0
 
     def save_weights(self, out_dir: Path, dtype: str | None = None) -> Path:
-        self.saved.append(out_dir)
-        return write_weights_dir({"w": torch.ones(2)}, self.model_dir, out_dir)
+        self.saves += 1
+        gen = torch.Generator().manual_seed(self.saves)
+        tensors = {n: t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in self.base.items()}
+        return write_weights_dir(tensors, self.model_dir, out_dir)
 
 
-def test_disk_push_posts_version_and_prunes(
-    recorder: tuple[Recorder, str], tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    rec, url = recorder
-    sync = DiskWeightSync(url, tmp_path / "weights", keep=2)
-    group = FakeGroup(tiny_model_dir)
+def _logprobs(engine: ManagedProcess) -> tuple[list[float], str]:
+    """The engine's greedy logprobs for a fixed prompt, and the version it reports (the test asks the
+    engine directly to see what it serves)."""
+    r = httpx.post(engine.base_url + "/generate", timeout=60, json={
+        "input_ids": [1, 9690, 314, 253], "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}})
+    r.raise_for_status()
+    meta = r.json()["meta_info"]
+    return [t[0] for t in meta["output_token_logprobs"]], meta["weight_version"]
+
+
+def test_disk_push_through_the_gateway_into_a_real_engine(engine_gateway, tiny_model_dir: Path,
+                                                          tmp_path: Path) -> None:
+    engine, gw = engine_gateway
+    before, _ = _logprobs(engine)
+    sync = DiskWeightSync(gw.url, tmp_path / "weights", keep=2)
+    group = PerturbedGroup(tiny_model_dir)
     results = [sync.push(group, v) for v in (1, 2, 3)]
-    assert [p for p, _ in rec.calls] == ["/update_weights_from_disk"] * 3
-    assert rec.calls[2][1] == {"model_path": str(tmp_path / "weights" / "v3"), "weight_version": "3"}
+    status = httpx.get(gw.url + "/api/weights").json()
+    assert status["weight_version"] == "3"
+    assert status["last_swap"]["kind"] == "disk" and status["last_swap"]["model_path"] == str(tmp_path / "weights" / "v3")
+    after, version = _logprobs(engine)
+    assert version == "3" and after != before
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2", "v3"]
     r = results[-1]
-    assert r.version == "3" and r.total_s >= r.save_s + r.update_s - 1e-6 and r.update_s > 0
+    assert r.version == "3" and r.path == tmp_path / "weights" / "v3"
+    assert r.total_s >= r.save_s + r.update_s - 1e-6 and r.update_s > 0
     with pytest.raises(ValueError, match="must match"):
         sync.version_dir("../x")
+    sync.close()
     # a restarted trainer (resume) counts the directories already there
-    DiskWeightSync(url, tmp_path / "weights", keep=2).push(group, 4)
+    again = DiskWeightSync(gw.url, tmp_path / "weights", keep=2)
+    again.push(group, 4)
+    again.close()
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v3", "v4"]
 
 
-def test_disk_push_with_pause_and_failure(
-    recorder: tuple[Recorder, str], tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    rec, url = recorder
-    sync = DiskWeightSync(url, tmp_path / "w", pause=True)
-    sync.push(FakeGroup(tiny_model_dir), "7")
-    assert [p for p, _ in rec.calls] == [
-        "/pause_generation",
-        "/update_weights_from_disk",
-        "/continue_generation",
-    ]
-    assert rec.calls[1][1]["abort_all_requests"] is True
-    rec.calls.clear()
-    rec.fail.add("/update_weights_from_disk")
-    with pytest.raises(WeightSyncError, match="update_weights_from_disk failed: HTTP 400"):
-        sync.push(FakeGroup(tiny_model_dir), "8")
-    assert rec.calls[-1][0] == "/continue_generation"  # generation resumes even after a failed load
+def test_a_refused_disk_push_raises_and_the_engine_keeps_its_weights(engine_gateway, tiny_model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    engine, gw = engine_gateway
+    before = _logprobs(engine)
+
+    class CorruptGroup:
+        def save_weights(self, out_dir: Path, dtype: str | None = None) -> Path:
+            out_dir.mkdir(parents=True)
+            (out_dir / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+            (out_dir / "model.safetensors").write_bytes(b"not a safetensors file")
+            return out_dir
+
+    sync = DiskWeightSync(gw.url, tmp_path / "weights")
+    with pytest.raises(WeightSyncError, match=r"/api/weights/update failed: HTTP 400: .*Failed to update weights"):
+        sync.push(CorruptGroup(), "bad")
+    sync.close()
+    assert _logprobs(engine) == before
+    assert httpx.get(gw.url + "/api/weights").json()["last_swap"]["success"] is False
 
 
-def test_bucket_tensors_keeps_order_and_budget() -> None:
-    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5, 5])]  # fp32: 4 bytes each
-    buckets = list(bucket_tensors(named, 80))
+# --- distributed: the client's requests ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fake_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[ManagedProcess, ServerThread]]:
+    with start_fake(tmp_path_factory.mktemp("fake"), tokenizer=tiny_model_dir) as fake, \
+            _gateway(fake.base_url, tiny_model_dir, weights_dir=tmp_path_factory.getbasetemp()) as gw:
+        yield fake, gw
+
+
+def _controls(fake: ManagedProcess) -> list[dict[str, Any]]:
+    return httpx.get(fake.base_url + "/debug").json()["controls"]
+
+
+class Model:
+    """Parameters as a worker's ``param_specs`` and ``rank0_full_params`` give them; records which were
+    consumed (gathered)."""
+
+    def __init__(self, specs: list[tuple[str, list[int]]]) -> None:
+        self.specs = specs
+        self.consumed: list[str] = []
+
+    def params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, (name, shape) in enumerate(self.specs):
+            self.consumed.append(name)
+            yield name, torch.full(shape, float(i))
+
+
+def test_plan_buckets_keeps_order_and_budget() -> None:
+    specs = [(f"t{i}", [n]) for i, n in enumerate([10, 10, 30, 5, 5, 5])]
+    buckets = plan_buckets(specs, 4, 80)  # fp32
     assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4", "t5"]]
+    assert buckets[1] == [("t2", [30])]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(specs, 4, 0)
 
 
-def test_nccl_sequence_and_payloads(recorder: tuple[Recorder, str]) -> None:
-    rec, url = recorder
-    rec.flush_busy = 2
-    sync = NcclWeightSync(url, bucket_bytes=48, flush_interval_s=0.01)  # a+b = 48 bytes
-    joined = sync.init_group("10.0.0.1", 29999, world_size=3, join=lambda: "pg")
-    assert joined == "pg"
-    assert rec.calls[0] == (
-        "/init_weights_update_group",
-        {
-            "master_address": "10.0.0.1",
-            "master_port": 29999,
-            "rank_offset": 1,
-            "world_size": 3,
-            "group_name": "weight_update_group",
-            "backend": "nccl",
-        },
-    )
-    rec.calls.clear()
+def test_distributed_push_announces_buckets_and_broadcasts_on_cue(fake_gateway) -> None:
+    fake, gw = fake_gateway
+    sync = DistributedWeightSync(gw.url, backend="gloo", dtype="bfloat16", bucket_bytes=24)
+    c0 = len(_controls(fake))
+    assert sync.init_group("127.0.0.1", 29999, 2, join=lambda: "joined") == "joined"
+    assert _controls(fake)[c0:] == [{"path": "/init_weights_update_group", "body": {
+        "master_address": "127.0.0.1", "master_port": 29999, "world_size": 2, "rank_offset": 1,
+        "group_name": "weight_update_group", "backend": "gloo"}}]
 
-    named = [("a", torch.zeros(4, 2, dtype=torch.bfloat16)), ("b", torch.zeros(8)), ("c", torch.zeros(3))]
-    sent: list[list[str]] = []
+    model = Model([("a", [4, 2]), ("b", [4]), ("c", [3])])  # bf16: a+b = 24 bytes, then c
+    expected = [["a", "b"], ["c"]]
+    sent: list[list[tuple[torch.dtype, list[int]]]] = []
+    c0 = len(_controls(fake))
 
     def broadcast(tensors: list[torch.Tensor]) -> None:
-        # the HTTP update must already be pending when the broadcast runs (else both sides would block)
-        assert rec.bucket_received.wait(5), (
-            "update_weights_from_distributed was not posted before broadcasting"
-        )
-        rec.bucket_received.clear()
-        sent.append([str(tuple(t.shape)) for t in tensors])
-        rec.broadcast_done.set()
+        k = len(sent)
+        # cued: the gateway has paused, flushed, begun, and the engine took every earlier bucket
+        paths = [c["path"] for c in _controls(fake)[c0:]]
+        assert paths[:3] == ["/pause_generation", "/flush_cache", "/begin_weight_update"], paths
+        assert paths[3:].count("/update_weights_from_distributed") in (k, k + 1), paths
+        sent.append([(t.dtype, list(t.shape)) for t in tensors])
+        httpx.post(fake.base_url + "/debug/broadcast", json={"names": expected[k]}).raise_for_status()
 
-    result = sync.push(named, 12, broadcast)
-    paths = [p for p, _ in rec.calls]
-    assert paths == [
-        "/pause_generation",
-        "/flush_cache",
-        "/flush_cache",
-        "/flush_cache",
-        "/begin_weight_update",
-        "/update_weights_from_distributed",
-        "/update_weights_from_distributed",
-        "/end_weight_update",
-        "/continue_generation",
-    ]
-    updates = [b for p, b in rec.calls if p == "/update_weights_from_distributed"]
-    assert updates[0] == {
-        "names": ["a", "b"],
-        "dtypes": ["bfloat16", "float32"],
-        "shapes": [[4, 2], [8]],
-        "group_name": "weight_update_group",
-        "flush_cache": False,
-        "weight_version": "12",
-    }
-    assert updates[1]["names"] == ["c"] and updates[1]["shapes"] == [[3]]
-    assert sent == [["(4, 2)", "(8,)"], ["(3,)"]]
-    assert result.version == "12" and result.path is None
+    result = sync.push(model.specs, model.params(), 12, broadcast)
+    assert result.version == "12" and result.path is None and result.total_s >= result.save_s
+    assert sent == [[(torch.bfloat16, [4, 2]), (torch.bfloat16, [4])], [(torch.bfloat16, [3])]]
+    updates = [c["body"] for c in _controls(fake)[c0:] if c["path"] == "/update_weights_from_distributed"]
+    assert updates == [
+        {"names": ["a", "b"], "dtypes": ["bfloat16", "bfloat16"], "shapes": [[4, 2], [4]],
+         "group_name": "weight_update_group", "flush_cache": False},
+        {"names": ["c"], "dtypes": ["bfloat16"], "shapes": [[3]], "group_name": "weight_update_group",
+         "flush_cache": False, "weight_version": "12"}]
+    assert model.consumed == ["a", "b", "c"]
+    assert httpx.get(gw.url + "/api/weights").json()["weight_version"] == "12"
 
 
-def test_nccl_failure_still_ends_and_continues(recorder: tuple[Recorder, str]) -> None:
-    rec, url = recorder
-    rec.fail.add("/update_weights_from_distributed")
-    sync = NcclWeightSync(url, begin_end=True)
-    with pytest.raises(WeightSyncError, match="update_weights_from_distributed failed"):
-        sync.push([("a", torch.zeros(2))], "1", lambda tensors: None)
-    assert [p for p, _ in rec.calls][-2:] == ["/end_weight_update", "/continue_generation"]
-    rec.calls.clear()
-    rec.fail.clear()
-    old = NcclWeightSync(url, begin_end=False)  # SGLang < 0.5.23 has no begin/end endpoints
-    rec.broadcast_done.set()
-    old.push([("a", torch.zeros(2))], "2", lambda tensors: None)
-    assert "/begin_weight_update" not in [p for p, _ in rec.calls]
+def test_a_failed_distributed_push_raises_and_still_consumes_every_parameter(fake_gateway) -> None:
+    fake, gw = fake_gateway
+    sync = DistributedWeightSync(gw.url, dtype="float32", bucket_bytes=8)
+    model = Model([("a", [2]), ("b.fail", [2]), ("c", [2])])
+    cued: list[int] = []
+
+    def broadcast(tensors: list[torch.Tensor]) -> None:
+        cued.append(len(tensors))
+        name = model.specs[len(cued) - 1][0]
+        httpx.post(fake.base_url + "/debug/broadcast", json={"names": [name]}).raise_for_status()
+
+    with pytest.raises(WeightSyncError, match=r"failed after 2 of 3 bucket\(s\): .*bucket 2 of 3"):
+        sync.push(model.specs, model.params(), "13", broadcast)
+    assert cued == [1, 1]  # no broadcast for the bucket the engine was never asked for
+    assert model.consumed == ["a", "b.fail", "c"]  # the other ranks' gathers are not left waiting
+    assert httpx.get(gw.url + "/api/weights").json()["weight_version"] != "13"
+
+
+def test_a_gateway_that_refuses_before_any_bucket_gets_no_broadcast(fake_gateway, tiny_model_dir: Path) -> None:
+    fake, _ = fake_gateway
+    with _gateway(fake.base_url + "/v1", tiny_model_dir, kind="openai") as gw:  # cannot swap: 400
+        model = Model([("a", [2])])
+        with pytest.raises(WeightSyncError, match=r"HTTP 400.*sglang-kind upstream"):
+            DistributedWeightSync(gw.url).push(model.specs, model.params(), "1", lambda _: pytest.fail("sent"))
+        assert model.consumed == ["a"]
+
+
+# --- distributed: one real gloo broadcast ------------------------------------------------------------
+
+
+def test_a_gloo_push_from_a_worker_group_reaches_the_receiver(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tracegym.trainer.fsdp import iter_full_params
+    from tracegym.trainer.workers import TrainConfig, WorkerGroup
+
+    port = free_port()
+    receiver = start_process([sys.executable, "-m", "tests.trainer.weight_receiver", "--port", str(port)],
+                             port=port, log_path=tmp_path / "receiver.log", env={"PYTHONPATH": str(REPO)},
+                             timeout=120)
+    group = None
+    try:
+        with _gateway(receiver.base_url, tiny_model_dir) as gw:
+            group = WorkerGroup(tiny_model_dir, num_workers=1, train_cfg=TrainConfig(), use_ray=False)
+            sync = DistributedWeightSync(gw.url, backend="gloo", dtype="float32", bucket_bytes=1 << 20)
+            init_distributed(group, sync, "127.0.0.1", free_port(), engine_world_size=1)
+            result = push_distributed(group, sync, "7")
+            assert result.version == "7"
+            assert httpx.get(gw.url + "/api/weights").json()["weight_version"] == "7"
+        want = group.run_on_ranks(lambda w: [(n, list(t.shape), float(t.double().sum()))
+                                             for n, t in iter_full_params(w.model)])[0]
+        got = httpx.get(receiver.base_url + "/debug/weights").json()
+        assert [(n, w["shape"], w["sum"]) for n, w in got["weights"].items()] == want
+        assert {w["dtype"] for w in got["weights"].values()} == {"float32"}
+        n_buckets = got["paths"].count("/update_weights_from_distributed")
+        assert n_buckets == len(plan_buckets([(n, s) for n, s, _ in want], 4, 1 << 20)) > 1
+        assert got["paths"] == ["/init_weights_update_group", "/pause_generation", "/flush_cache",
+                                "/begin_weight_update", *["/update_weights_from_distributed"] * n_buckets,
+                                "/end_weight_update", "/continue_generation"]
+    finally:
+        if group is not None:
+            group.run_on_ranks(_destroy_weight_group)
+            group.shutdown()
+        receiver.stop()
+
+
+def _destroy_weight_group(worker: Any) -> None:
+    if worker.weight_group is not None:
+        torch.distributed.destroy_process_group(worker.weight_group)
+        worker.weight_group = None

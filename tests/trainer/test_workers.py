@@ -13,8 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.gateway.app_support import MemoryRecorder, ServerThread
 from tests.procs import free_port, start_process
-from tracegym.trainer.batching import TrainBatch, TrainSample
+from tracegym.gateway.app import create_app
+from tracegym.gateway.settings import GatewaySettings
+from tracegym.trainer.batch import TrainBatch, TrainSample
 from tracegym.trainer.optim import OptimSettings
 from tracegym.trainer.weight_sync import DiskWeightSync
 from tracegym.trainer.workers import TrainConfig, WorkerGroup
@@ -50,6 +53,7 @@ def group(
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_a_step_changes_weights_identically_on_both_ranks_and_matches_one_worker(
     group: tuple[WorkerGroup, Path], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -98,6 +102,7 @@ def test_a_step_changes_weights_identically_on_both_ranks_and_matches_one_worker
     assert (d1 - d2).norm() / d1.norm() < 1e-2
 
 
+@pytest.mark.slow
 def test_loss_falls_on_a_fixed_batch(group: tuple[WorkerGroup, Path]) -> None:
     """With every advantage +1 the policy-gradient objective is the sampled tokens' NLL (the PPO loss
     value itself is -mean(A) at ratio 1); it must fall step after step."""
@@ -109,6 +114,7 @@ def test_loss_falls_on_a_fixed_batch(group: tuple[WorkerGroup, Path]) -> None:
     assert nll[-1] < nll[0] - 0.05, nll
 
 
+@pytest.mark.slow
 def test_fewer_samples_than_ranks(group: tuple[WorkerGroup, Path]) -> None:
     """One sample on two ranks: the idle rank runs an empty micro-batch so the collectives still match."""
     g, _ = group
@@ -119,6 +125,7 @@ def test_fewer_samples_than_ranks(group: tuple[WorkerGroup, Path]) -> None:
     assert sums[0] == sums[1]
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_continues_identically(group: tuple[WorkerGroup, Path], tmp_path: Path) -> None:
     g, start = group
     g.load_checkpoint(start)
@@ -150,6 +157,7 @@ def _generate(url: str, prompt: list[int], *, temperature: float, seed: int | No
     return r.json()
 
 
+@pytest.mark.slow
 def test_swap_into_a_real_engine(
     group: tuple[WorkerGroup, Path], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -179,8 +187,11 @@ def test_swap_into_a_real_engine(
         print("engine-trainer mismatch (mean |Δlogprob|)", metrics["mismatch"])
         assert metrics["mismatch"] < 1e-4, metrics["mismatch"]
 
-        sync = DiskWeightSync(engine.base_url, tmp_path / "weights", keep=2)
-        result = sync.push(g, "1")
+        # the trainer asks the gateway, which runs the swap against the engine
+        settings = GatewaySettings(upstream_url=engine.base_url, model=str(tiny_model_dir), store_url=None)
+        with ServerThread(create_app(settings, recorder=MemoryRecorder())) as gw:
+            sync = DiskWeightSync(gw.url, tmp_path / "weights", keep=2)
+            result = sync.push(g, "1")
         assert result.path == tmp_path / "weights" / "v1" and result.total_s > 0
         info = httpx.get(f"{engine.base_url}/model_info", timeout=10).json()
         assert info["weight_version"] == "1"

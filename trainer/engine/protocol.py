@@ -21,7 +21,6 @@ _UNSUPPORTED = {
     "input_embeds": None,
     "image_data": None,
     "token_ids_logprob": None,
-    "lora_path": None,
     "session_params": None,
     "return_hidden_states": False,
     "return_routed_experts": False,
@@ -34,6 +33,8 @@ class RequestSpec:
     input_ids: list[int]
     params: SamplingParams
     seed: int | None
+    lora: str | None = None
+    """SGLang's ``lora_path``: the name of a loaded LoRA adapter (``/load_lora_adapter``); None = base."""
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,17 @@ def parse_generate(
     top_n = body.get("top_logprobs_num", 0) or 0
     if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= vocab_size:
         raise ValueError("`top_logprobs_num` must be an integer >= 0")
+    loras = _per_item(body.get("lora_path"), len(prompts), "lora_path")
+    if not all(x is None or (isinstance(x, str) and x) for x in loras):
+        raise ValueError("`lora_path` must be the name of a loaded LoRA adapter (or a list of such names)")
     specs: list[RequestSpec] = []
-    for prompt, r, p in zip(prompts, rids, params, strict=True):
+    for prompt, r, p, lora in zip(prompts, rids, params, loras, strict=True):
         r = r if r is not None else uuid.uuid4().hex
         if not isinstance(r, str):
             raise ValueError("`rid` must be a string")
         for i in range(p.n):
             seed = None if p.sampling_seed is None else p.sampling_seed + i
-            specs.append(RequestSpec(r if p.n == 1 else f"{r}_{i}", list(prompt), p, seed))
+            specs.append(RequestSpec(r if p.n == 1 else f"{r}_{i}", list(prompt), p, seed, lora))
     opts = GenerateOptions(
         return_logprob=_flag(body, "return_logprob"),
         top_logprobs_num=top_n,

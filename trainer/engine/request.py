@@ -52,6 +52,7 @@ class GenRequest:
     finish_reason: dict[str, Any] | None = None
     stop_text: tuple[int, str] | None = None  # (index in text, matched) when a stop string ended it
     created: float = field(default_factory=time.monotonic)
+    adapter: Any = None  # the LoRA adapter (``engine.lora.Adapter``) this request samples with
 
     @property
     def finished(self) -> bool:
@@ -156,6 +157,8 @@ class GenRequest:
         meta.update(
             completion_tokens=n,
             cached_tokens=0,
+            reasoning_tokens=0,  # SGLang counts them only with a reasoning parser; this engine has none
+            num_retractions=0,  # SGLang retracts under KV-cache pressure; this engine never does
             weight_version=snap.weight_version,
             e2e_latency=snap.e2e_latency,
         )

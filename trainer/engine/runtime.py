@@ -14,11 +14,13 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from tracegym.trainer.engine.lora import EngineLora, read_adapter
 from tracegym.trainer.engine.protocol import GenerateOptions, RequestSpec
 from tracegym.trainer.engine.request import GenRequest, Snapshot
 from tracegym.trainer.engine.sampling import make_generator
 from tracegym.trainer.engine.scheduler import Scheduler
-from tracegym.trainer.models import default_device, load_model, resolve_dtype
+from tracegym.trainer.engine.weights import read_checkpoint
+from tracegym.trainer.models import cpu_compute_dtype, default_device, load_model, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +49,7 @@ def default_stop_ids(model: Any) -> frozenset[int]:
 def set_torch_threads() -> int:
     """Intra-op threads for the one model thread: ``$TRACEGYM_ENGINE_THREADS``, else half the cores (at
     most 8). The engine shares the machine with the gateway, the runners and the trainer, and an
-    oversubscribed OpenMP pool is several times slower than a smaller one (measured 6x at 2 threads on 2
-    busy cores)."""
+    oversubscribed OpenMP pool spins on cores the others need."""
     default = max(1, min((os.cpu_count() or 1) // 2, 8))
     n = max(1, int(os.environ.get("TRACEGYM_ENGINE_THREADS", default)))
     torch.set_num_threads(n)
@@ -60,6 +61,8 @@ class Engine:
         self.config = config
         self.device = torch.device(config.device or default_device())
         dtype = resolve_dtype(config.dtype, self.device.type)
+        if self.device.type == "cpu":
+            dtype = cpu_compute_dtype(dtype)
         # On CPU, bf16 runs as autocast over fp32 weights; on CUDA the weights themselves are in ``dtype``.
         cpu_autocast = self.device.type == "cpu" and dtype != torch.float32
         self.model = load_model(
@@ -82,6 +85,8 @@ class Engine:
             autocast_dtype=dtype if cpu_autocast else None,
         )
         self.weight_lock = asyncio.Lock()
+        self.lora = EngineLora(self.model, dtype)  # adapters in the compute dtype (autocast's on CPU)
+        self.scheduler.row_hook = lambda reqs: self.lora.set_rows([r.adapter for r in reqs])
 
     @property
     def max_positions(self) -> int:
@@ -92,6 +97,35 @@ class Engine:
 
     def stop(self) -> None:
         self.scheduler.stop()
+
+    async def load_weights(self, path: str, version: str | None, abort_all: bool) -> int:
+        """SGLang's ``/update_weights_from_disk``: read and check the checkpoint off the event loop, then
+        have the model thread swap it in (see ``Scheduler.update_weights``); one update at a time.
+        Returns the number of requests aborted for it; raises (old weights kept) if it cannot load."""
+        async with self.weight_lock:
+            state = await asyncio.to_thread(read_checkpoint, path, self.model)
+            aborted = await asyncio.wrap_future(self.scheduler.update_weights(state, version, abort_all))
+            self.model_path = path
+        return aborted
+
+    def check_adapters(self, specs: list[RequestSpec]) -> None:
+        """A ``lora_path`` naming no loaded adapter is a ValueError (HTTP 400)."""
+        for s in specs:
+            if s.lora is not None and s.lora not in self.lora.adapters:
+                raise ValueError(f"LoRA adapter {s.lora!r} is not loaded (loaded: {self.lora.names()})")
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """SGLang's ``/load_lora_adapter``: read and check off the event loop, register on the model
+        thread; raises ``AdapterLoadError`` (nothing changed) if this model cannot serve it."""
+        adapter = await asyncio.to_thread(read_adapter, name, path, self.model, self.lora.dtype)
+        await asyncio.wrap_future(self.scheduler.call(lambda: self.lora.add(adapter)))
+
+    async def unload_lora(self, name: str) -> None:
+        await asyncio.wrap_future(self.scheduler.call(lambda: self.lora.remove(name)))
+
+    async def set_weight_version(self, version: str) -> None:
+        """SGLang's ``/update_weight_version``: the label later responses carry."""
+        await asyncio.wrap_future(self.scheduler.call(lambda: setattr(self.scheduler, "weight_version", version)))
 
     def _request(self, spec: RequestSpec, opts: GenerateOptions) -> GenRequest:
         stop_ids = frozenset(spec.params.stop_token_ids) | (
@@ -108,6 +142,7 @@ class Engine:
             return_text_in_logprobs=opts.return_text_in_logprobs,
             return_prompt_token_ids=opts.return_prompt_token_ids,
             stream=opts.stream,
+            adapter=None if spec.lora is None else self.lora.adapters[spec.lora],
         )
 
     def _snapshot(self, r: GenRequest, final: bool) -> Snapshot:

@@ -91,7 +91,7 @@ def _flag(raw: dict, key: str, default: bool) -> bool:
 
 
 def parse_sampling_params(raw: dict | None) -> SamplingParams:
-    """Validate SGLang's ``sampling_params``; unknown keys and bad values raise ``ValueError`` (→ HTTP 400)."""
+    """Validate SGLang's ``sampling_params``; unknown keys and bad values raise ``ValueError`` (HTTP 400)."""
     raw = raw or {}
     if not isinstance(raw, dict):
         raise ValueError(f"sampling_params must be an object, got {type(raw).__name__}")
@@ -169,8 +169,7 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One draw from ``probs[V]`` by inverting its CDF with a single uniform number (``torch.multinomial``
-    draws V exponentials per sample, ~20x slower at SmolLM2's vocabulary). Zero-probability tokens are
-    never drawn."""
+    draws V exponentials per sample). Zero-probability tokens are never drawn."""
     cdf = torch.cumsum(probs.double(), dim=0)
     u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from tracegym.trainer.engine import batch as kvb
+from tracegym.trainer.engine import kv_batch as kvb
 from tracegym.trainer.engine.request import ABORTED, ABORTED_WAITING, GenRequest
 from tracegym.trainer.engine.sampling import sample_rows, top_logprobs
 from tracegym.trainer.engine.weights import apply_state
@@ -85,6 +85,8 @@ class Scheduler:
         self._running: list[GenRequest] = []
         self._batch: kvb.KVBatch | None = None
         self._swap: _PendingSwap | None = None
+        self.row_hook: Callable[[list[GenRequest]], None] | None = None
+        """Called on the model thread with the requests of each forward's rows, in row order (LoRA)."""
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
     # ---------------------------------------------------------------- called from other threads
@@ -155,6 +157,10 @@ class Scheduler:
 
         self._command(run).add_done_callback(forward_error)
         return fut
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the model thread between forwards (LoRA loads, the weight-version label)."""
+        return self._command(fn)
 
     def busy(self) -> bool:
         """Requests are running or queued (held requests of a paused server do not count)."""
@@ -266,6 +272,8 @@ class Scheduler:
             return
         try:
             # Neither step touches the running batch, so a failure here fails the new requests only.
+            if self.row_hook is not None:
+                self.row_hook(new)
             with self._autocast():
                 batch, logits = kvb.prefill(self.model, [r.input_ids for r in new], self.device)
             merged = batch if self._batch is None else kvb.merge(self._batch, batch, self.model.config)
@@ -277,19 +285,23 @@ class Scheduler:
         self._batch = merged
         self._running.extend(new)
         self._advance(new, logits)
-        self._drop_finished()
+        self._retire()
 
     def _step(self) -> None:
         if not self._running or self.frozen or self._batch is None:
             return
         self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, len(self._running))
+        if self.row_hook is not None:
+            self.row_hook(self._running)
         with self._autocast():
             logits = kvb.decode(self.model, self._batch, [r.output_ids[-1] for r in self._running])
         self.stats.decode_steps += 1
         self._advance(self._running, logits)
-        self._drop_finished()
+        self._retire()
 
     def _advance(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
+        """Append one sampled token to each running request; the ones that finish are delivered by
+        ``_retire``."""
         tokens, lps, matrix = sample_rows(
             logits, [r.params for r in reqs], [r.generator for r in reqs], [r.banned_ids() for r in reqs]
         )
@@ -298,9 +310,7 @@ class Scheduler:
             top = top_logprobs(matrix[i], r.top_logprobs_num) if r.top_logprobs_num else None
             r.append(tokens[i], lps[i], top)
             r.check_finish(self.tokenizer, self.max_positions)
-            if r.finished:
-                self._deliver(r)
-            elif r.stream and len(r.output_ids) % r.params.stream_interval == 0:
+            if not r.finished and r.stream and len(r.output_ids) % r.params.stream_interval == 0:
                 self._notify(r, False)
 
     def _deliver(self, r: GenRequest) -> None:
@@ -319,15 +329,26 @@ class Scheduler:
         except Exception:
             log.exception("delivering an update of request %s failed", r.rid)
 
-    def _drop_finished(self) -> None:
-        keep = [i for i, r in enumerate(self._running) if not r.finished]
-        if len(keep) == len(self._running):
+    def _retire(self) -> None:
+        """Take the finished requests out of the running batch, then deliver them. In this order, a client
+        holding its final response is never still counted as running (``snapshot``, ``busy``): callers that
+        wait for their request to run, or for the engine to be idle, rely on it."""
+        done = [r for r in self._running if r.finished]
+        if not done:
             return
+        keep = [i for i, r in enumerate(self._running) if not r.finished]
         self._running = [self._running[i] for i in keep]
-        if not keep or self._batch is None:
-            self._batch = None
-        else:
-            self._batch = kvb.select(self._batch, keep, self.model.config)
+        try:
+            if keep and self._batch is not None:
+                self._batch = kvb.select(self._batch, keep, self.model.config)
+            else:
+                self._batch = None
+        except Exception as e:
+            # The kept rows' cache is gone with the batch: they fail; the finished ones keep their result.
+            log.exception("dropping %d finished rows from the batch failed", len(done))
+            self._fail_running(e)
+        for r in done:
+            self._deliver(r)
 
     def _abort_where(self, pred: Callable[[GenRequest], bool]) -> int:
         with self._cv:
@@ -336,25 +357,25 @@ class Scheduler:
         n = 0
         for r in [r for r in self._running if not r.finished and pred(r)]:
             r.abort(ABORTED)
-            self._deliver(r)
             n += 1
+        self._retire()
         for r in [r for r in self._waiting if pred(r)]:
             self._waiting.remove(r)
             r.abort(ABORTED_WAITING)
             self._deliver(r)
             n += 1
-        self._drop_finished()
         return n
 
     def _fail(self, reqs: list[GenRequest], err: Exception) -> None:
         for r in reqs:
             if not r.finished:
-                r.finish_reason = {"type": "abort", "message": f"engine error: {err}", "status_code": 500}
+                r.finish_reason = {"type": "abort", "message": f"engine error: {err}", "status_code": 500,
+                                   "err_type": None}  # SGLang's FINISH_ABORT always has the key
                 self._deliver(r)
 
     def _fail_running(self, err: Exception) -> None:
-        self._fail(self._running, err)
-        self._running, self._batch = [], None
+        running, self._running, self._batch = self._running, [], None
+        self._fail(running, err)
 
     def _fail_orphans(self, err: Exception) -> None:
         """Fail every request, command and pending swap left behind by the model thread (only called once

@@ -1,0 +1,1 @@
+"""The agent-facing front: OpenAI routes, the prompt path, streaming, upstream adapters and weight swaps."""

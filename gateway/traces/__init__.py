@@ -1,0 +1,1 @@
+"""Recording, the trace store, and assembly: spans in, trajectories out. Imports nothing from proxy or api."""

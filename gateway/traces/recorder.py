@@ -1,0 +1,490 @@
+"""Recording gateway calls as OpenTelemetry spans and writing them into the trace store.
+
+``TraceRecorder.record(rec)`` only enqueues the record (request path); a build thread encodes store rows
+straight from the records (``call_spans.call_record_store_row``) into ``SpanBatch``es and a write thread
+inserts them (``Store.insert_spans``) while the next batch is encoded (``StoreSpanProcessor``). Extra span
+processors (``add_span_processor``, e.g. OTLP) get each call as a finished ``CallSpan``. Every lost span is
+counted in ``tracegym_spans_dropped_total{reason=...}`` and logged; ``force_flush`` and ``shutdown`` wait
+for what was queued; ``record_durably`` also returns an ``acks.Ack`` that the write thread settles once
+the span's transaction committed (group commit: the calls waiting share one transaction). Unlike
+``BatchSpanProcessor``, which drops with only an OpenTelemetry-metrics counter and drops a failed batch
+after logging, this retries the store and reports losses in Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from sqlalchemy.exc import DataError, IntegrityError
+
+from tracegym.gateway.traces.acks import Ack, Built, settle, settle_now
+from tracegym.gateway.traces.call_spans import (
+    CALL_ROW_TEXT,
+    attributes_to_row_fields,
+    call_record_attributes,
+    call_record_store_row,
+    json_safe,
+    span_name,
+)
+from tracegym.gateway.traces.store.span_rows import SpanBatch, encode_row, json_text
+from tracegym.types import CallRecord
+
+log = logging.getLogger(__name__)
+
+_STATUS = {StatusCode.UNSET: "unset", StatusCode.OK: "ok", StatusCode.ERROR: "error"}
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_OK = Status(StatusCode.OK)
+SCOPE = "tracegym.gateway"
+_SPAN_ID_MASK = (1 << 64) - 1
+
+
+def readable_span_to_row(span: ReadableSpan, *, source: str = "gateway") -> dict:
+    """A store row from a finished SDK span."""
+    ctx = span.context
+    parent = span.parent
+    events = [
+        {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
+    ]
+    return {
+        "trace_id": format(ctx.trace_id, "032x"),
+        "span_id": format(ctx.span_id, "016x"),
+        "parent_span_id": format(parent.span_id, "016x") if parent is not None else None,
+        "source": source,
+        "name": span.name,
+        "kind": span.kind.name.lower(),
+        "start_time_ns": span.start_time,
+        "end_time_ns": span.end_time,
+        "status": _STATUS[span.status.status_code],
+        "status_message": span.status.description,
+        "resource": dict(span.resource.attributes),
+        "events": json_safe(events) or None,
+        **attributes_to_row_fields(dict(span.attributes or {})),
+    }
+
+
+class CallSpan(ReadableSpan):
+    """The finished span of one gateway call, built directly from its ``CallRecord``.
+
+    ``store_row`` is its ``spans`` value tuple (encoded once, here); ``attributes`` (the OpenTelemetry
+    GenAI attributes of ``call_spans.call_record_attributes``) are computed on first access, so the
+    store path never pays for them while other exporters still see proper spans.
+    """
+
+    def __init__(self, rec: CallRecord, *, trace_id: int, span_id: int, start_time: int, end_time: int,
+                 resource: Resource, resource_json: str, scope: InstrumentationScope) -> None:
+        self.record = rec
+        self.store_row = call_record_store_row(
+            rec, trace_id=f"{trace_id:032x}", span_id=f"{span_id:016x}", resource_json=resource_json,
+            start_time_ns=start_time, end_time_ns=end_time,
+        )
+        super().__init__(
+            name=span_name(rec), context=SpanContext(trace_id, span_id, False, _SAMPLED), parent=None,
+            resource=resource, attributes=None, kind=SpanKind.CLIENT,
+            status=Status(StatusCode.ERROR, rec.error) if rec.status == "error" else _OK,
+            start_time=start_time, end_time=end_time, instrumentation_scope=scope,
+        )
+
+    @property
+    def _attributes(self) -> dict[str, Any]:  # type: ignore[override]
+        if self._lazy_attributes is None:
+            self._lazy_attributes = call_record_attributes(self.record)
+        return self._lazy_attributes
+
+    @_attributes.setter
+    def _attributes(self, value: dict[str, Any] | None) -> None:
+        self._lazy_attributes = value
+
+
+class SpanMetrics:
+    """Prometheus counters of the span pipeline, registered in the app's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.recorded = Counter("tracegym_spans_recorded", "Spans handed to the recorder", registry=registry)
+        self.exported = Counter("tracegym_spans_exported", "Spans written to the store", registry=registry)
+        self.dropped = Counter(
+            "tracegym_spans_dropped",
+            "Spans lost (queue_full, encode_error, export_error, internal_error, shutdown)", ["reason"],
+            registry=registry,
+        )
+        self.queue_size = Gauge("tracegym_span_queue_size", "Spans waiting for export", registry=registry)
+
+
+class StoreSpanExporter(SpanExporter):
+    """Writes span batches into the store (one transaction per batch), retrying transient failures.
+    ``CallSpan``s bring their encoded row; any other span is converted from its attributes."""
+
+    def __init__(self, store: object, metrics: SpanMetrics, *, retries: int = 3, source: str = "gateway"):
+        self.store = store
+        self.metrics = metrics
+        self.retries = retries
+        self.source = source
+
+    def add_span(self, batch: SpanBatch, span: ReadableSpan) -> None:
+        """Append ``span``'s row to ``batch`` (an unstorable span is counted as dropped and logged)."""
+        try:
+            if isinstance(span, CallSpan):
+                batch.add(span.store_row, span.record.task_id, span.record.weight_version)
+                return
+            row = readable_span_to_row(span, source=self.source)
+            attrs = row["attributes"]
+            batch.add(encode_row(row), attrs.get("tracegym.task_id"), attrs.get("tracegym.weight_version"))
+        except (TypeError, ValueError):  # unstorable attribute values: count, log, go on
+            log.exception("dropping span %r: it cannot be encoded for the store", span.name)
+            self.metrics.dropped.labels("encode_error").inc()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        batch = SpanBatch()
+        for s in spans:
+            self.add_span(batch, s)
+        return self.export_batch(batch)
+
+    def export_batch(self, batch: SpanBatch) -> SpanExportResult:
+        """Insert an encoded batch; after ``retries`` failures count it as dropped (never raises). A
+        rejection that would only repeat (bad data, a violated constraint) is not retried."""
+        if not batch:
+            return SpanExportResult.SUCCESS
+        for attempt in range(1, self.retries + 1):
+            try:
+                self.store.insert_spans(batch)  # type: ignore[attr-defined]
+                self.metrics.exported.inc(len(batch))
+                return SpanExportResult.SUCCESS
+            except Exception as e:  # any store failure: retry, then count the loss loudly
+                if attempt == self.retries or isinstance(e, DataError | IntegrityError | ValueError):
+                    log.exception("dropping %d spans: the store rejected them %d times", len(batch), attempt)
+                    self.metrics.dropped.labels("export_error").inc(len(batch))
+                    return SpanExportResult.FAILURE
+                time.sleep(0.1 * 2**attempt)
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Flush:
+    """A ``force_flush`` marker: it travels the record queue and the batch queue behind everything queued
+    before it, and the write thread sets ``done`` when it gets there."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+QueueItem = ReadableSpan | tuple[CallRecord, int, int, Ack | None] | _Flush
+
+
+class StoreSpanProcessor(SpanProcessor):
+    """Bounded queue + a two-stage export pipeline; drops (counted, logged) instead of blocking when full.
+
+    The queue holds finished SDK spans (``on_end``) and ``(CallRecord, start_ns, end_ns)`` tuples
+    (``enqueue_call``). The build thread takes up to ``max_batch_size`` of them at a time and encodes their
+    store rows into a ``SpanBatch`` (making ``CallSpan``s for the ``extra_processors`` when there are any);
+    the write thread inserts the batches. The database work of one batch (mostly outside the GIL: SQLite's
+    C code, PostgreSQL's server) thus overlaps the Python encoding of the next; at most ``pipeline_depth``
+    encoded batches wait for the writer, which then takes all of them into one transaction (``_write_loop``:
+    the per-transaction statements, and their GIL re-acquisitions, are paid once for all). Each time the
+    write thread wants the GIL back while the build thread encodes, it waits up to the switch interval
+    (``GatewaySettings.switch_interval_s``), hence few statements per transaction (``store.span_insert``).
+    """
+
+    def __init__(self, exporter: StoreSpanExporter, metrics: SpanMetrics, *, max_queue_size: int = 50_000,
+                 max_batch_size: int = 2_000, schedule_delay_s: float = 0.1, warn_every_s: float = 5.0,
+                 resource: Resource | None = None, pipeline_depth: int = 2) -> None:
+        self.exporter = exporter
+        self.metrics = metrics
+        self.max_queue_size = max_queue_size
+        self.max_batch_size = max_batch_size
+        self.schedule_delay_s = schedule_delay_s
+        self.warn_every_s = warn_every_s
+        self.extra_processors: list[SpanProcessor] = []
+        self.resource = resource if resource is not None else Resource.create({})
+        self._resource_json = json_text(json_safe(dict(self.resource.attributes)))
+        self._scope = InstrumentationScope(SCOPE)
+        self._rng = random.Random()  # ids of call spans (as RandomIdGenerator draws them)
+        self._queue: collections.deque[QueueItem] = collections.deque()
+        self._batches: queue.Queue[Built | _Flush | None] = queue.Queue(maxsize=pipeline_depth)
+        self._wake = threading.Event()
+        self._build_lock = threading.Lock()
+        self._write_lock = threading.Lock()  # one export at a time (the write thread's, or the builder's)
+        self._flushes = 0  # _Flush markers in ``_queue`` (under ``_flush_lock``)
+        self._flush_lock = threading.Lock()
+        self._shutdown = False
+        self._dropped_since_warning = 0
+        self._last_warning = 0.0
+        metrics.queue_size.set_function(lambda: len(self._queue))
+        self._writer = threading.Thread(target=self._write_loop, name="tracegym-span-write", daemon=True)
+        self._builder = threading.Thread(target=self._build_loop, name="tracegym-span-build", daemon=True)
+        self._writer.start()
+        self._builder.start()
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._enqueue(span)
+
+    def enqueue_call(self, rec: CallRecord, start_ns: int, end_ns: int, ack: Ack | None = None) -> None:
+        """Queue a finished call (non-blocking; dropped and counted when the queue is full). ``ack`` (made on
+        the calling thread's event loop) is settled once the span is committed or lost; a call with one
+        wakes the build thread at once instead of waiting for a full batch or the schedule delay."""
+        self._enqueue((rec, start_ns, end_ns, ack), ack)
+
+    def _enqueue(self, item: QueueItem, ack: Ack | None = None) -> None:
+        if self._shutdown:
+            self._drop("shutdown")
+            settle_now(ack, False)
+            return
+        q = self._queue
+        if len(q) >= self.max_queue_size:
+            self._drop("queue_full")
+            settle_now(ack, False)
+            return
+        q.append(item)
+        if (ack is not None or len(q) >= self.max_batch_size) and not self._wake.is_set():
+            self._wake.set()
+
+    def _drop(self, reason: str) -> None:
+        self.metrics.dropped.labels(reason).inc()
+        self._dropped_since_warning += 1
+        now = time.monotonic()
+        if now - self._last_warning >= self.warn_every_s:
+            log.warning("span queue %s: dropped %d spans (queue size %d, limit %d)", reason,
+                        self._dropped_since_warning, len(self._queue), self.max_queue_size)
+            self._dropped_since_warning = 0
+            self._last_warning = now
+
+    def _add_call(self, batch: SpanBatch, rec: CallRecord, start: int, end: int) -> bool:
+        rng = self._rng
+        bits = rng.getrandbits(192)  # the trace id (high 128 bits) and the span id in one draw
+        while not bits >> 64 or not bits & _SPAN_ID_MASK:  # 0 is OpenTelemetry's invalid id
+            bits = rng.getrandbits(192)
+        span = None
+        try:
+            if self.extra_processors:
+                span = CallSpan(rec, trace_id=bits >> 64, span_id=bits & _SPAN_ID_MASK, start_time=start,
+                                end_time=end, resource=self.resource, resource_json=self._resource_json,
+                                scope=self._scope)
+                row = span.store_row
+            else:  # nobody else wants the span object: encode the row alone
+                ids = f"{bits:048x}"
+                row = call_record_store_row(rec, trace_id=ids[:32], span_id=ids[32:],
+                                            resource_json=self._resource_json, start_time_ns=start,
+                                            end_time_ns=end)
+            # ValueError: e.g. an id too long to store. Only the columns taken from the record are checked:
+            # the ids above are 32 and 16 hex digits, the other columns constants (CALL_ROW_TEXT).
+            batch.add(row, rec.task_id, rec.weight_version, CALL_ROW_TEXT)
+        except (TypeError, ValueError):  # e.g. a request body orjson cannot serialize: count, log, go on
+            log.exception("dropping the span of call %r: it cannot be encoded", getattr(rec, "call_id", None))
+            self.metrics.dropped.labels("encode_error").inc()
+            return False
+        if span is not None:
+            for p in self.extra_processors:
+                try:
+                    p.on_end(span)
+                except Exception:  # the store has the span; another exporter's failure is its own
+                    log.exception("span processor %r failed on a call span", p)
+        return True
+
+    def _build(self, items: list[QueueItem]) -> Built:
+        built = Built(SpanBatch())
+        batch, acks, lost = built.batch, built.acks, []
+        add_call, add_span = self._add_call, self.exporter.add_span
+        for item in items:
+            ack = None
+            try:
+                if type(item) is tuple:
+                    rec, start, end, ack = item
+                    if add_call(batch, rec, start, end):
+                        if ack is not None:
+                            acks.append(ack)
+                    elif ack is not None:
+                        lost.append(ack)
+                else:
+                    add_span(batch, item)  # type: ignore[arg-type]
+            except Exception:  # a bug, or an extra processor failing: lose this span only, counted
+                log.exception("dropping a span: unexpected error while encoding it")
+                self.metrics.dropped.labels("internal_error").inc()
+                if ack is not None and (not acks or acks[-1] is not ack):
+                    lost.append(ack)
+        if lost:
+            settle(lost, False)
+        return built
+
+    def _drain(self) -> None:
+        """Encode queued spans into batches for the writer: one batch (possibly partial), then more while a
+        full batch is queued or a ``force_flush`` marker waits in the queue (everything up to it is sent,
+        then the marker itself, behind the last batch)."""
+        with self._build_lock:
+            q = self._queue
+            first = True
+            while q and (first or self._flushes or len(q) >= self.max_batch_size):
+                first = False
+                items: list[QueueItem] = []
+                marker = None
+                while q and len(items) < self.max_batch_size:
+                    item = q.popleft()
+                    if type(item) is _Flush:
+                        marker = item
+                        break
+                    items.append(item)
+                if items:
+                    built = self._build(items)
+                    # Calls wait for these spans and the writer is idle: write them here, a thread hand-off
+                    # sooner (ordering between span batches does not matter; markers still queue behind).
+                    if built.acks and self._batches.empty() and self._write_lock.acquire(blocking=False):
+                        try:
+                            self._export(built)
+                        finally:
+                            self._write_lock.release()
+                    else:
+                        self._batches.put(built)
+                if marker is not None:
+                    with self._flush_lock:
+                        self._flushes -= 1
+                    self._batches.put(marker)
+
+    def _build_loop(self) -> None:
+        while not self._shutdown:
+            self._wake.wait(self.schedule_delay_s)
+            self._wake.clear()
+            try:
+                self._drain()
+            except Exception:  # never let the build thread die: later spans would silently pile up
+                log.exception("span build thread: unexpected error (continuing)")
+
+    def _write_loop(self) -> None:
+        while True:
+            items = [self._batches.get()]
+            try:
+                if type(items[0]) is Built:
+                    # Behind the build thread: the batches already waiting go into the same transaction (one
+                    # rollouts statement and one commit for all of them; each statement costs this thread a
+                    # GIL re-acquisition, up to the switch interval while the build thread runs). A
+                    # marker ends the merge; it is handled after the write, as if it came alone.
+                    while type(items[-1]) is Built:
+                        try:
+                            items.append(self._batches.get_nowait())
+                        except queue.Empty:
+                            break
+                    first, *more = [b for b in items if type(b) is Built]
+                    for b in more:
+                        first.batch.extend(b.batch)  # type: ignore[union-attr]
+                        first.acks += b.acks  # type: ignore[union-attr]
+                    with self._write_lock:
+                        self._export(first)  # type: ignore[arg-type]
+                tail = items[-1]
+                if tail is None:
+                    return
+                if type(tail) is _Flush:
+                    tail.done.set()
+            except Exception:  # export_batch never raises; keep the writer alive regardless
+                log.exception("span write thread: unexpected error (continuing)")
+                settle([a for b in items if type(b) is Built for a in b.acks], False)  # type: ignore[union-attr]
+            finally:
+                for _ in items:
+                    self._batches.task_done()
+
+    def _export(self, built: Built) -> None:
+        ok = self.exporter.export_batch(built.batch) is SpanExportResult.SUCCESS
+        if built.acks:
+            settle(built.acks, ok)
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        """Wait until every span queued before this call is stored (or counted as dropped): True, or False
+        when that takes longer than ``timeout_millis``. Spans queued meanwhile are not waited for, so this
+        returns promptly under steady traffic."""
+        timeout = max(timeout_millis, 0) / 1000
+        if self._shutdown:  # shutdown() writes everything and then stops the writer
+            self._writer.join(timeout)
+            return not self._writer.is_alive()
+        marker = _Flush()
+        with self._flush_lock:
+            self._flushes += 1
+        self._queue.append(marker)
+        self._wake.set()
+        return marker.done.wait(timeout)
+    def shutdown(self) -> None:
+        if self._shutdown:
+            return
+        self._shutdown = True
+        self._wake.set()
+        self._builder.join()
+        while self._queue:  # everything, partial batches included (and the markers of pending flushes)
+            self._drain()
+        self._batches.put(None)
+        self._writer.join()
+        self.exporter.shutdown()
+
+
+class TraceRecorder:
+    """Turns ``CallRecord``s into spans (``record``) and gets them into the store.
+
+    Owned by the app's lifespan: ``TraceRecorder(store, registry=app.state.metrics_registry)``, then
+    ``shutdown()`` on exit (flushes). Extra exporters (e.g. OTLP to a collector) can be attached with
+    ``add_span_processor``: they receive every call span (from the export thread) and the spans started
+    on ``tracer``.
+    """
+
+    def __init__(self, store: object, *, registry: CollectorRegistry | None = None,
+                 service_name: str = "tracegym-gateway", max_queue_size: int = 50_000,
+                 max_batch_size: int = 2_000, schedule_delay_s: float = 0.1) -> None:
+        self.metrics = SpanMetrics(registry if registry is not None else CollectorRegistry())
+        resource = Resource.create({"service.name": service_name})
+        self.exporter = StoreSpanExporter(store, self.metrics)
+        self.processor = StoreSpanProcessor(self.exporter, self.metrics, max_queue_size=max_queue_size,
+                                            max_batch_size=max_batch_size, schedule_delay_s=schedule_delay_s,
+                                            resource=resource)
+        self.provider = TracerProvider(
+            resource=resource,
+            span_limits=SpanLimits(max_span_attributes=256, max_attribute_length=None),
+            shutdown_on_exit=False,
+        )
+        self.provider.add_span_processor(self.processor)
+        self.tracer = self.provider.get_tracer(SCOPE)
+
+    def add_span_processor(self, processor: SpanProcessor) -> None:
+        """Also send every span to ``processor`` (flushed and shut down after the store's processor)."""
+        self.processor.extra_processors.append(processor)
+        self.provider.add_span_processor(processor)
+
+    def record(self, rec: CallRecord) -> None:
+        """Record one finished call as a span with the call's own start/end times. Never blocks: the
+        record is queued (do not mutate it afterwards) and becomes a span in the export thread."""
+        start = rec.start_time_ns or time.time_ns()
+        end = rec.end_time_ns or time.time_ns()
+        self.processor.enqueue_call(rec, start, end if end > start else start)
+        self.metrics.recorded.inc()
+
+    def record_durably(self, rec: CallRecord) -> Ack:
+        """``record``, and a future (of the running event loop) that becomes True once the span is committed
+        to the store, False if it was lost (counted in ``tracegym_spans_dropped_total``)."""
+        ack: Ack = asyncio.get_running_loop().create_future()
+        start = rec.start_time_ns or time.time_ns()
+        end = rec.end_time_ns or time.time_ns()
+        self.processor.enqueue_call(rec, start, end if end > start else start, ack)
+        self.metrics.recorded.inc()
+        return ack
+
+    def force_flush(self, timeout_s: float = 30.0) -> bool:
+        """Write everything recorded so far: True once it is stored (or counted as dropped), False when that
+        takes longer than ``timeout_s`` (later calls are not waited for)."""
+        return self.provider.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self) -> None:
+        """Flush and stop the export thread (idempotent)."""
+        self.provider.shutdown()

@@ -1,0 +1,105 @@
+"""Span rows: the batched insert (an encoded ``SpanBatch`` -> SQLite multi-row INSERT / PostgreSQL COPY, see
+``span_insert``) and two reads that hand rows out as stored; ``tracegym.gateway.traces.reads`` makes span
+dicts, ``CallRecord``s and the assembly's ``TokenCall``s of them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from itertools import groupby
+from operator import itemgetter
+from typing import Any
+
+import sqlalchemy as sa
+
+from tracegym.gateway.traces.store.db import PAGE_IDS, Database
+from tracegym.gateway.traces.store.rollouts import write_span_rollouts
+from tracegym.gateway.traces.store.schema import spans as S
+from tracegym.gateway.traces.store.span_insert import insert_postgresql, insert_sqlite
+from tracegym.gateway.traces.store.span_rows import SpanBatch
+
+
+def _columns_sql(dialect: str, with_request: bool, columns: tuple[str, ...]) -> str:
+    """``columns`` as selected by the raw reads: ``attributes`` as its raw JSON text (parsed once by the
+    caller, not by the driver or SQLAlchemy); without ``with_request`` the ``request`` column is only tested
+    for NULL, its bytes are not read."""
+    attributes = "attributes::text" if dialect == "postgresql" else "CAST(attributes AS BLOB)"
+    request = "request" if with_request else "request IS NOT NULL"
+    return ", ".join(attributes if c == "attributes" else request if c == "request" else c for c in columns)
+
+
+def select_sql(dialect: str, n_ids: int, with_request: bool, columns: tuple[str, ...]) -> str:
+    """The page query of ``call_rows``: ``columns`` of the spans of ``n_ids`` rollouts, ordered by rollout,
+    start time, insertion."""
+    cols = _columns_sql(dialect, with_request, columns)
+    where = "rollout_id = ANY(%s)" if dialect == "postgresql" else f"rollout_id IN ({','.join('?' * n_ids)})"
+    return f"SELECT {cols} FROM spans WHERE {where} ORDER BY rollout_id, start_time_ns, id"
+
+
+class SpansMixin:
+    db: Database
+
+    def insert_spans(self, rows: list[dict] | SpanBatch) -> int:
+        """Insert span rows in one transaction: dicts keyed by the ``spans`` table's columns (OTLP ingest's
+        form) or an encoded ``SpanBatch`` (the tracing exporter's, and ``call_spans.insert_call_records``').
+        Rollouts named by the rows that do not exist yet are created with status ``adhoc``; a rollout's
+        ``weight_version`` follows its latest span. Duplicate (trace_id, span_id) pairs are ignored.
+        Returns the number of rows inserted."""
+        batch = rows if isinstance(rows, SpanBatch) else SpanBatch.from_dicts(rows)
+        if not batch.rows:
+            return 0
+        # One multi-row statement of each kind for the whole batch (see span_insert): BEGIN IMMEDIATE, the
+        # rollouts upsert, the spans INSERT, COMMIT.
+        with self.db.write() as conn:
+            write_span_rollouts(self.db, conn, batch.tasks,
+                                {rid: wv for rid, (_, wv) in batch.versions.items()})
+            raw = conn.connection.dbapi_connection
+            if self.db.dialect == "postgresql":
+                return insert_postgresql(raw, batch.rows)
+            return insert_sqlite(raw, batch.rows)
+
+    def call_row(self, call_id: str, columns: tuple[str, ...], *, with_request: bool = True) -> tuple | None:
+        """``columns`` (rendered as in ``call_rows``) of the gateway call answered with ``call_id`` (None: no
+        such call); one indexed query."""
+        dialect = self.db.dialect
+        mark = "%s" if dialect == "postgresql" else "?"
+        sql = (f"SELECT {_columns_sql(dialect, with_request, columns)} FROM spans "
+               f"WHERE call_id = {mark} AND source = 'gateway' LIMIT 1")
+        with self.db.read() as conn:
+            cur = conn.connection.dbapi_connection.cursor()
+            try:
+                cur.execute(sql, (call_id,))
+                return cur.fetchone()
+            finally:
+                cur.close()
+
+    def span_rows(self, rollout_id: str) -> list[Mapping[str, Any]]:
+        """Every column of a rollout's spans (gateway and OTLP-ingested) in start order: JSON columns
+        parsed, token arrays as their stored blobs."""
+        q = sa.select(S).where(S.c.rollout_id == rollout_id).order_by(S.c.start_time_ns, S.c.id)
+        with self.db.read() as conn:
+            return [r._mapping for r in conn.execute(q)]
+
+    def call_rows(self, rollout_ids: list[str], columns: tuple[str, ...], *,
+                  with_request: bool = True) -> dict[str, list[tuple]]:
+        """``columns`` (the first must be ``rollout_id``; ``attributes`` comes as raw JSON text, see
+        ``select_sql``) of the spans of ``rollout_ids``, grouped by rollout in start order (rollouts without
+        spans are absent). One transaction, one plain-SQL query per ``PAGE_IDS`` rollouts on the DBAPI
+        connection: per-row SQLAlchemy work would cost more than the query."""
+        if columns[0] != "rollout_id":
+            raise ValueError(f"call_rows groups by rollout: the first column must be rollout_id, "
+                             f"not {columns[0]!r}")
+        ids = list(rollout_ids)
+        dialect = self.db.dialect
+        out: dict[str, list[tuple]] = {}
+        with self.db.read() as conn:
+            cur = conn.connection.dbapi_connection.cursor()
+            try:
+                for start in range(0, len(ids), PAGE_IDS):
+                    page = ids[start : start + PAGE_IDS]
+                    cur.execute(select_sql(dialect, len(page), with_request, columns),
+                                (page,) if dialect == "postgresql" else page)
+                    # ordered by rollout: grouped in C
+                    out.update((rid, list(rows)) for rid, rows in groupby(cur.fetchall(), itemgetter(0)))
+            finally:
+                cur.close()
+        return out

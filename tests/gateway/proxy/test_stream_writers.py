@@ -1,0 +1,89 @@
+"""Stream writers' hand-built fast paths send the same bytes as the generic event builder, and a stream's
+events of one moment leave as one body chunk (the bytes are those of the events, in order)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracegym.gateway.proxy.calls import CallContext, Prompt
+from tracegym.gateway.proxy.responses.request import chat_request, parse_responses
+from tracegym.gateway.proxy.responses.stream import ResponsesStreamWriter
+from tracegym.gateway.proxy.turns import sse_event
+
+SVC = SimpleNamespace(upstream=SimpleNamespace(token_native=False), tokenizer=None, served_model="m")
+
+
+def _writer() -> ResponsesStreamWriter:
+    parsed = chat_request(parse_responses({"model": "m", "input": "hi"}), [])
+    return ResponsesStreamWriter(SVC, parsed, CallContext("resp_abc", "r", None, None, False), Prompt(None))  # type: ignore[arg-type]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.text(min_size=1), min_size=1, max_size=5), st.booleans())
+def test_text_delta_fast_path_equals_the_generic_event(texts: list[str], reasoning_first: bool) -> None:
+    fast, slow = _writer(), _writer()
+    if reasoning_first:
+        fast._reasoning("think")
+        slow._reasoning("think")
+    for text in texts:
+        got = fast._text(text)[-1]
+        slow._text("")  # opens the message item as the fast writer did
+        slow.seq = fast.seq - 1
+        want = slow._ev("response.output_text.delta", item_id=slow.msg_id, output_index=slow.message_at,
+                        content_index=0, delta=text, logprobs=[])
+        assert got == want
+        event = json.loads(got.split(b"\ndata: ", 1)[1])
+        assert event["delta"] == text and event["sequence_number"] == fast.seq - 1
+    done = fast._close_message()
+    assert json.loads(done[0].split(b"\ndata: ", 1)[1])["text"] == "".join(texts)
+
+
+def test_sse_event_shape() -> None:
+    assert sse_event({"type": "x", "a": 1}) == b'event: x\ndata: {"type":"x","a":1}\n\n'
+
+
+class _Writer:
+    """An ``EventWriter`` that names its events by what made them."""
+
+    on_done = None
+
+    def __init__(self) -> None:
+        self.recorded: list[str | None] = []
+
+    def opening(self) -> list[bytes]:
+        return [b"open1 ", b"open2 "]
+
+    def on_event(self, ev: object) -> list[bytes]:
+        return [] if ev == "quiet" else [f"{ev}.a ".encode(), f"{ev}.b ".encode()]
+
+    def closing(self) -> list[bytes]:
+        return [b"close1 ", b"close2"]
+
+    def error_events(self, e: object) -> list[bytes]:
+        return [b"err"]
+
+    def record(self, error: str | None) -> None:
+        self.recorded.append(error)
+
+
+def test_events_of_one_moment_are_one_chunk() -> None:
+    import asyncio
+
+    from tracegym.gateway.proxy.streaming import sse_stream
+
+    async def upstream() -> AsyncIterator[str]:
+        for ev in ("e2", "quiet", "e3"):
+            yield ev
+
+    async def collect() -> list[bytes]:
+        return [chunk async for chunk in sse_stream(writer, "e1", upstream())]  # type: ignore[arg-type]
+
+    writer = _Writer()
+    chunks = asyncio.run(collect())
+    assert chunks == [b"open1 open2 e1.a e1.b ", b"e2.a e2.b ", b"e3.a e3.b ", b"close1 close2"]
+    assert writer.recorded == [None]

@@ -1,0 +1,247 @@
+"""Trajectories → the trainer's batch: samples (``TrainSample``/``TrainBatch``), their split across
+ranks by token count, micro-batches by token budget, padding aligned with the targets (``collate``), and
+the way back from per-micro-batch metrics to one step's metrics. All pure (lists in, lists or tensors
+out), so all of it is tested without a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from tracegym.types import Sequence
+
+
+@dataclass(slots=True)
+class TrainSample:
+    """One training sequence. ``engine_logprobs[i]`` is the sampling engine's logprob of token ``i``
+    where ``loss_mask[i] == 1`` (ignored elsewhere)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    engine_logprobs: list[float]
+    advantage: float
+    adapter: str | None = None
+    """The LoRA adapter this sample trains (one adapter per agent); None = the model or its one adapter."""
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if n < 2:
+            raise ValueError(f"a training sample needs at least 2 tokens, got {n}")
+        if len(self.loss_mask) != n or len(self.engine_logprobs) != n:
+            raise ValueError(
+                f"token_ids, loss_mask and engine_logprobs must have the same length, got "
+                f"{n}, {len(self.loss_mask)}, {len(self.engine_logprobs)}"
+            )
+        if self.loss_mask[0]:
+            raise ValueError("loss_mask[0] must be 0: the first token has no context to be predicted from")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(1 for m in self.loss_mask if m)
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """The samples of one optimizer step."""
+
+    samples: list[TrainSample] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(s.num_loss_tokens for s in self.samples)
+
+    @classmethod
+    def from_sequences(
+        cls, sequences: Seq[Sequence], advantages: Seq[float], adapters: Seq[str | None] | None = None
+    ) -> TrainBatch:
+        """Build from assembled ``tracegym.types.Sequence``s and one advantage per sequence.
+
+        A sequence whose loss mask covers a token without an engine logprob is rejected (it could not be
+        used for TIS nor for the mismatch metric, and it means assembly went wrong)."""
+        if len(sequences) != len(advantages):
+            raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantages")
+        samples = []
+        for k, (seq, adv) in enumerate(zip(sequences, advantages, strict=True)):
+            lps: list[float] = []
+            for i, (m, lp) in enumerate(zip(seq.loss_mask, seq.logprobs, strict=True)):
+                if m and lp is None:
+                    raise ValueError(f"sequence {k}: token {i} is in the loss mask but has no engine logprob")
+                lps.append(0.0 if lp is None else float(lp))
+            adapter = None if adapters is None else adapters[k]
+            samples.append(TrainSample(list(seq.token_ids), list(seq.loss_mask), lps, float(adv), adapter))
+        return cls(samples)
+
+
+def split_across_ranks(lengths: Seq[int], world_size: int) -> list[list[int]]:
+    """Indices of the samples for each rank, balancing the token count (longest first, to the lightest
+    rank). Every rank gets at least one sample when there are enough samples."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    loads = [0] * world_size
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (loads[r], len(out[r]), r))
+        out[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(ix) for ix in out]
+
+
+def micro_batches(lengths: Seq[int], token_budget: int) -> list[list[int]]:
+    """Group sample indices so that ``rows × longest row <= token_budget`` per group (a single sample
+    longer than the budget gets a group of its own). Samples are taken longest first."""
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        new_max = max(cur_max, lengths[i])
+        if cur and new_max * (len(cur) + 1) > token_budget:
+            groups.append(cur)
+            cur, new_max = [], lengths[i]
+        cur.append(i)
+        cur_max = new_max
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def plan_step(lengths: Seq[int], world_size: int, token_budget: int) -> tuple[list[list[list[int]]], int]:
+    """Per rank, its micro-batches (lists of global sample indices); and the count all ranks run (FSDP2's
+    collectives need the same count on every rank). A rank left without samples (fewer samples than
+    ranks) runs only empty micro-batches."""
+    if not lengths:
+        raise ValueError("an empty batch has nothing to train on")
+    plan = []
+    for ix in split_across_ranks(lengths, world_size):
+        groups = micro_batches([lengths[i] for i in ix], token_budget)
+        plan.append([[ix[j] for j in g] for g in groups])
+    return plan, max(len(p) for p in plan)
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Padded tensors of one micro-batch. ``input_ids``/``attention_mask`` are ``[B, L]``; the
+    target-aligned tensors are ``[B, K]`` and hold tokens ``L-K..L-1``, predicted by positions
+    ``L-K-1..L-2``: run the model with ``logits_to_keep=K + 1`` and drop its last logit."""
+
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    targets: torch.Tensor  # [B, K] long: the token predicted at each kept position
+    loss_mask: torch.Tensor  # [B, K] float
+    engine_logprobs: torch.Tensor  # [B, K] float
+    advantages: torch.Tensor  # [B] float
+    logits_to_keep: int
+    num_tokens: int  # real (non-pad) tokens
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        t = {k: getattr(self, k).to(device) for k in ("input_ids", "attention_mask", "targets", "loss_mask")}
+        return MicroBatch(
+            **t,
+            engine_logprobs=self.engine_logprobs.to(device),
+            advantages=self.advantages.to(device),
+            logits_to_keep=self.logits_to_keep,
+            num_tokens=self.num_tokens,
+        )
+
+
+def collate(samples: Seq[TrainSample], pad_id: int = 0) -> MicroBatch:
+    """Right-pad ``samples`` into a ``MicroBatch``. An empty list gives a 1-token dummy with no loss
+    tokens (what a rank with fewer micro-batches runs so the collectives stay matched)."""
+    import torch
+
+    if not samples:
+        samples = [TrainSample([pad_id, pad_id], [0, 0], [0.0, 0.0], 0.0)]
+        dummy = True
+    else:
+        dummy = False
+    length = max(len(s.token_ids) for s in samples)
+    ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), length), dtype=torch.long)
+    mask = torch.zeros((len(samples), length), dtype=torch.float32)
+    elp = torch.zeros((len(samples), length), dtype=torch.float32)
+    for r, s in enumerate(samples):
+        n = len(s.token_ids)
+        ids[r, :n] = torch.tensor(s.token_ids)
+        attn[r, :n] = 1
+        mask[r, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        elp[r, :n] = torch.tensor(s.engine_logprobs, dtype=torch.float32)
+    keep = _logits_to_keep([s.loss_mask for s in samples], length)
+    return MicroBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        targets=ids[:, length - keep :].contiguous(),
+        loss_mask=mask[:, length - keep :].contiguous(),
+        engine_logprobs=elp[:, length - keep :].contiguous(),
+        advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+        logits_to_keep=keep,
+        num_tokens=0 if dummy else int(attn.sum()),
+    )
+
+
+def _logits_to_keep(masks: Seq[Seq[int]], length: int) -> int:
+    """How many trailing predicted positions cover every loss token: the logit at position ``t - 1``
+    predicts token ``t``, so keeping the last ``K`` of the ``L - 1`` logits covers tokens ``L-K..L-1``."""
+    first = [next((i for i, m in enumerate(mk) if m), None) for mk in masks]
+    starts = [f for f in first if f is not None]
+    if not starts:
+        return 1
+    return length - min(starts)
+
+
+MAX_METRICS = ("ratio_max",)
+"""``policy_loss`` metrics that are maxima over tokens: combined by max (``max:<name>``), not averaged."""
+
+
+def add_loss_metrics(sums: dict[str, float], metrics: dict[str, float]) -> None:
+    """Accumulate ``policy_loss`` metrics: loss-scaled ones summed, maxima maxed, per-token means weighted
+    by tokens."""
+    sums["loss_tokens"] += metrics["tokens"]
+    for k, v in metrics.items():
+        if k in ("tokens", "seqs"):
+            continue
+        if k in MAX_METRICS:
+            if metrics["tokens"] > 0:  # an empty (padding) micro-batch has no tokens to take a max over
+                sums[f"max:{k}"] = max(sums.get(f"max:{k}", v), v)
+            continue
+        w = 1.0 if k in ("pg_loss", "kl_loss") else metrics["tokens"]
+        sums[f"m:{k}"] = sums.get(f"m:{k}", 0.0) + v * w
+
+
+def combine_metrics(per_rank: list[dict[str, float]], wall_s: float, world_size: int) -> dict[str, float]:
+    """Global step metrics from the ranks' sums (losses are already globally normalised per rank)."""
+    total = {k: sum(r.get(k, 0.0) for r in per_rank) for k in per_rank[0] if not k.startswith("max:")}
+    n = max(total["loss_tokens"], 1.0)
+    out = {
+        "loss": total["loss"] / world_size,
+        "mismatch": total["mismatch"] / n,
+        "entropy": total["entropy"] / max(total.get("entropy_tokens", 0.0), 1.0),
+        "nll": total["nll"] / n,
+        "grad_norm": per_rank[0]["grad_norm"],
+        "lr": per_rank[0]["lr"],
+        "tokens": total["tokens"],
+        "loss_tokens": total["loss_tokens"],
+        "tokens_per_s": total["tokens"] / wall_s if wall_s > 0 else 0.0,
+        "step_time": wall_s,
+        "worker_cpu_s": max(r["cpu_s"] for r in per_rank),
+        "skipped": per_rank[0]["skipped"],
+    }
+    for k, v in total.items():
+        if k.startswith("m:"):
+            name = k[2:]
+            out[name] = v / world_size if name in ("pg_loss", "kl_loss") else v / n
+    for k in {k for r in per_rank for k in r if k.startswith("max:")}:
+        out[k[4:]] = max(r[k] for r in per_rank if k in r)
+    out.setdefault("kl", 0.0)
+    return out

@@ -1,0 +1,86 @@
+"""What the training loop asks of the gateway, over HTTP only (docs/api.md): enqueue groups, follow
+them until they finish, fetch their trajectories, record per-step metrics. Built on the SDK's
+``GatewayClient`` (retries with backoff, OpenAI-shaped errors surfaced)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tracegym.client import GatewayClient, config_for
+from tracegym.types import Trajectory
+
+TERMINAL = {"completed", "failed"}
+
+
+@dataclass
+class Group:
+    group_id: str
+    task_id: str
+    rollout_ids: list[str]
+    split: str = "train"
+    statuses: dict[str, str] = field(default_factory=dict)
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    """Rewards of the completed rollouts, as of the last ``refresh``."""
+
+    @property
+    def done(self) -> bool:
+        return len(self.statuses) == len(self.rollout_ids) and all(s in TERMINAL for s in self.statuses.values())
+
+
+class ControlClient:
+    def __init__(self, gateway_url: str, *, timeout: float = 60.0, api_key: str | None = None) -> None:
+        # the current configuration ($TRACEGYM_API_KEY, tg.configure's retries) with this gateway
+        base = config_for(gateway_url)
+        self.client = GatewayClient(replace(base, timeout=timeout, api_key=api_key or base.api_key))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def enqueue(self, tasks: list[dict[str, Any]], *, group_size: int, split: str,
+                group_ids: list[str] | None = None) -> list[Group]:
+        """Queue a group per task. With ``group_ids``, a group that already exists is not queued again: its
+        rollouts are followed (a resumed run picks up the groups it had queued, completed rollouts and all)."""
+        sent = [{**t, "split": split} for t in tasks]
+        if group_ids is not None:
+            sent = [{**t, "group_id": g} for t, g in zip(sent, group_ids, strict=True)]
+        out = self.client.enqueue_tasks(sent, group_size=group_size)
+        return [Group(g["group_id"], g["task_id"], list(g["rollout_ids"]), split) for g in out]
+
+    def refresh(self, groups: list[Group]) -> None:
+        for g in groups:
+            if g.done:
+                continue
+            rows = list(self.client.iter_rollouts(group_id=g.group_id, limit=500))
+            g.statuses = {r["rollout_id"]: r["status"] for r in rows}
+            g.rewards = {r["rollout_id"]: r.get("reward") for r in rows if r["status"] == "completed"}
+
+    def wait(
+        self, groups: list[Group], *, timeout: float, poll: float = 0.25,
+        on_poll: Callable[[list[Group]], None] | None = None,
+    ) -> bool:  # fmt: skip
+        """Wait until every group is done or ``timeout`` passes; True if all finished."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.refresh(groups)
+            if on_poll:
+                on_poll(groups)
+            if all(g.done for g in groups):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll)
+
+    def trajectories(self, rollout_ids: list[str]) -> list[Trajectory]:
+        out: list[Trajectory] = []
+        for i in range(0, len(rollout_ids), 200):
+            params = {"ids": ",".join(rollout_ids[i : i + 200]), "status": "completed"}
+            lines = self.client.iter_lines("/api/trajectories", "fetch trajectories", params)
+            out += [Trajectory.from_dict(json.loads(line)) for line in lines]
+        return out
+
+    def add_metrics(self, run: str, step: int, metrics: dict[str, float]) -> None:
+        self.client.post(f"/api/runs/{run}/metrics", {"step": step, "metrics": metrics}, "store step metrics")

@@ -1,0 +1,104 @@
+"""Finished groups of trajectories → one step's ``TrainBatch`` plus reward statistics.
+
+A rollout's reward is the advantage signal of every sequence it produced (multi-sequence rollouts share
+it); groups whose rewards are all equal carry no signal and are dropped when asked (DAPO dynamic
+sampling). A completed rollout without a reward counts as 0 and is reported in ``reward_missing``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Sequence
+
+from tracegym.trainer.batch import TrainBatch
+from tracegym.trainer.lora import LoraSettings
+from tracegym.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def reward_stats(rewards: Sequence[float]) -> dict[str, float]:
+    if not rewards:
+        return {"reward_mean": 0.0, "reward_std": 0.0, "pass_rate": 0.0}
+    return {
+        "reward_mean": statistics.fmean(rewards),
+        "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+        "pass_rate": sum(1 for r in rewards if r > 0) / len(rewards),
+    }
+
+
+def build_train_batch(
+    groups: Sequence[tuple[str, Sequence[Trajectory]]],
+    *,
+    advantage: str,
+    drop_zero_signal: bool,
+    lora: LoraSettings | None = None,
+) -> tuple[TrainBatch | None, dict[str, float]]:
+    """``groups`` = ``[(group_id, its completed trajectories)]``. Returns None for the batch when no
+    sequence carries signal (e.g. every group got equal rewards).
+
+    ``lora`` with one adapter per agent: each sequence trains its agent's adapter; sequences of agents
+    without one are left out (``unrouted_sequences``), and adapters whose agent sent no sequence are
+    warned about (one warning per call, naming the agents seen)."""
+    import torch
+
+    from tracegym.trainer.advantages import compute_advantages, filter_zero_signal_groups
+
+    trajs = [t for _, ts in groups for t in ts]
+    gids = [gid for gid, ts in groups for _ in ts]
+    rewards = [float(t.reward) if t.reward is not None else 0.0 for t in trajs]
+    stats = reward_stats(rewards)
+    stats["reward_missing"] = float(sum(1 for t in trajs if t.reward is None))
+    stats["rollouts"] = float(len(trajs))
+    if not trajs:
+        stats["groups_used"] = 0.0
+        return None, stats
+    r = torch.tensor(rewards, dtype=torch.float32)
+    adv = compute_advantages(advantage, r, gids)
+    keep = (
+        filter_zero_signal_groups(r, gids) if drop_zero_signal else torch.ones(len(trajs), dtype=torch.bool)
+    )
+    seqs, advs = [], []
+    for t, a, k in zip(trajs, adv.tolist(), keep.tolist(), strict=True):
+        if not k:
+            continue
+        for s in t.sequences:
+            if any(s.loss_mask):
+                seqs.append(s)
+                advs.append(a)
+    adapters: list[str | None] | None = None
+    if lora is not None and lora.per_agent:
+        seqs, advs, adapters = _route(seqs, advs, lora, stats)
+    stats["groups_used"] = float(len({g for g, k in zip(gids, keep.tolist(), strict=True) if k}))
+    stats["sequences"] = float(len(seqs))
+    if not seqs:
+        return None, stats
+    return TrainBatch.from_sequences(seqs, advs, adapters), stats
+
+
+def _route(seqs: list, advs: list[float], lora: LoraSettings,
+           stats: dict[str, float]) -> tuple[list, list[float], list[str | None]]:
+    kept, kept_advs, names = [], [], []
+    seen: set[str | None] = set()
+    unrouted: set[str | None] = set()
+    for s, a in zip(seqs, advs, strict=True):
+        seen.add(s.agent_name)
+        name = lora.adapter_for(s.agent_name)
+        if name is None:
+            unrouted.add(s.agent_name)
+            continue
+        kept.append(s)
+        kept_advs.append(a)
+        names.append(name)
+    stats["unrouted_sequences"] = float(len(seqs) - len(kept))
+    absent = [n for n in lora.names if n not in seen]
+    if (unrouted or absent) and seqs:
+        parts = []
+        if unrouted:
+            parts.append(f"{len(seqs) - len(kept)} sequence(s) of agent(s) {sorted(map(str, unrouted))} have "
+                         "no adapter and are not trained")
+        if absent:
+            parts.append(f"lora.adapters names agent(s) {absent} that sent no trainable sequence")
+        log.warning("LoRA: %s; agents seen this step: %s", "; ".join(parts), sorted(map(str, seen)))
+    return kept, kept_advs, names

@@ -1,0 +1,237 @@
+"""What a training run shows and leaves behind: a line per step with ETA (``StepProgress``), metric sinks
+(JSONL in the run dir, the store through the gateway, optional TensorBoard/W&B), a summary table and a
+reward-curve PNG. (The runner's progress line is ``tracegym.progress``.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+SHOWN = ("reward_mean", "pass_rate", "loss", "kl", "clip_frac", "mismatch", "swap_s", "tokens_per_s")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def fmt_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def live_label(*, step: int, total: int, evaluating: bool, done: int, n: int, elapsed_s: float) -> str:
+    """The live line while rollouts run. ``step`` is the number of steps finished: a training step in
+    progress is ``step + 1``; an evaluation is labelled with the step whose weights it samples."""
+    what = f"eval @ step {step}" if evaluating else f"step {min(step + 1, total)}/{total}"
+    return f"{what} | generating {done}/{n} | {fmt_duration(elapsed_s)}"
+
+
+def evals_left(step: int, total: int, interval: int, *, evaluates: bool = True) -> int:
+    """Held-out evaluations still to come once step ``step``'s line is printed: one after every
+    ``interval``-th step before the last (that step's own included), and the final one."""
+    if not evaluates:
+        return 0
+    between = sum(1 for k in range(max(step, 1), total) if interval and k % interval == 0)
+    return between + 1
+
+
+def eta_seconds(
+    step_s: list[float], steps_left: int, *, eval_s: float | None = None, evals: int = 0, window: int = 5
+) -> float | None:
+    """Time left: the mean of the last ``window`` step durations × the steps left, plus the last
+    evaluation's duration × the evaluations left. ``None`` before any step finished."""
+    if not step_s:
+        return None
+    recent = step_s[-window:]
+    return sum(recent) / len(recent) * steps_left + (eval_s or 0.0) * evals
+
+
+class StepProgress:
+    """One line per step: ``step 12/60 | reward 0.41 | loss ... | eta 3m05s``, and a live line while
+    rollouts run (``live``): redrawn in place on a TTY, otherwise printed at most every ``interval``
+    seconds and at least that often while polls keep coming (so a log file shows the run is alive)."""
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        out: TextIO | None = None,
+        start_step: int = 0,
+        eval_interval: int = 0,
+        evaluates: bool = True,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        from tracegym.progress import Progress
+
+        self.total = total
+        self.out = out or sys.stderr
+        self.start_step = start_step
+        self.eval_interval = eval_interval
+        self.evaluates = evaluates
+        self.clock = clock
+        self.step_s: list[float] = []
+        self.eval_s: float | None = None
+        self._live = Progress(self.out, interval=interval, clock=clock)
+        self.tty = self._live.tty
+
+    def eta(self, step: int) -> str:
+        left = eta_seconds(
+            self.step_s,
+            self.total - step,
+            eval_s=self.eval_s,
+            evals=evals_left(step, self.total, self.eval_interval, evaluates=self.evaluates),
+        )
+        return "?" if left is None else fmt_duration(left)
+
+    def status(self, text: str) -> None:
+        """A live status (e.g. from ``live_label``)."""
+        self._live.update(text)
+
+    def step(self, step: int, metrics: dict[str, Any]) -> None:
+        """Print step ``step``'s line; ``metrics["step_s"]`` (the step's wall time) feeds the ETA."""
+        if isinstance(metrics.get("step_s"), int | float):
+            self.step_s.append(float(metrics["step_s"]))
+        parts = [f"step {step}/{self.total}"]
+        parts += [f"{k} {_fmt(metrics[k])}" for k in SHOWN if k in metrics]
+        parts.append(f"eta {self.eta(step)}")
+        self._live.print(" | ".join(parts))
+
+    def evaluated(self, text: str, seconds: float) -> None:
+        """Print an evaluation's line; its duration feeds the ETA."""
+        self.eval_s = seconds
+        self._live.print(text)
+
+    def message(self, text: str) -> None:
+        self._live.print(text)
+
+
+class MetricSinks:
+    """Fans metrics out to metrics.jsonl, the store (via a callback), TensorBoard and W&B when enabled."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        to_store: Callable[[int, dict], None] | None = None,
+        tensorboard: bool = False,
+        wandb_project: str | None = None,
+        run_name: str = "run",
+    ) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.run_name = run_name
+        self.to_store = to_store
+        self._posted: tuple[int, dict[str, float]] = (-1, {})
+        """The step last sent to the store and its metrics: the store keeps one row per step, so a second
+        kind logged at the same step (an evaluation after training) is sent merged with the first."""
+        self.tb = None
+        self.wandb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        if wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, name=run_name, dir=str(run_dir))
+
+    def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train") -> None:
+        row = {"step": step, "kind": kind, "time": time.time(), "run": self.run_name, **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        numeric = {f"{kind}/{k}": float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+        if self.to_store:
+            last_step, last = self._posted
+            merged = {**last, **numeric} if last_step == step else numeric
+            self._posted = (step, merged)
+            self.to_store(step, dict(merged))
+        if self.tb:
+            for k, v in numeric.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        """Flush and close TensorBoard and W&B (safe to call twice)."""
+        tb, wb, self.tb, self.wandb = self.tb, self.wandb, None, None
+        try:
+            if tb:
+                tb.close()
+        finally:
+            if wb:
+                wb.finish()
+
+
+def read_metrics(path: Path, *, run: str | None = None) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` (of run ``run`` only, when given: rows name their run), one per
+    kind and step: a step logged twice (a resumed run repeating the steps after its checkpoint) keeps
+    its last row. Ordered by step, training before the evaluation of the same step."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if run is not None:
+        rows = [r for r in rows if r.get("run", run) == run]
+    last = {(r.get("kind"), r.get("step")): r for r in rows}
+    return sorted(last.values(), key=lambda r: (r.get("step", 0), r.get("kind") == "eval"))
+
+
+def plot_rewards(rows: list[dict[str, Any]], out: Path) -> Path:
+    """Reward curve (train per step, eval points) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["reward_mean"]) for r in rows if r.get("kind") == "train" and "reward_mean" in r]
+    ev = [(r["step"], r["reward_mean"]) for r in rows if r.get("kind") == "eval" and "reward_mean" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train (sampled, per step)", alpha=0.6)
+    if ev:
+        ax.plot(*zip(*ev, strict=True), "o-", label="eval (held out)", linewidth=2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def summary_row(label: str, value: str) -> str:
+    return f"| {label} | {value} |"
+
+
+def summary_table(rows: list[dict[str, Any]], *, wall_s: float) -> str:
+    """The run's summary (a Markdown table; ``train`` appends the run directory's size as a last row)."""
+    ev = [r for r in rows if r.get("kind") == "eval"]
+    train = [r for r in rows if r.get("kind") == "train"]
+    lines = ["| | value |", "|---|---|"]
+    if ev:
+        lines.append(f"| eval reward before (step {ev[0]['step']}) | {ev[0]['reward_mean']:.3f} |")
+        lines.append(f"| eval reward after (step {ev[-1]['step']}) | {ev[-1]['reward_mean']:.3f} |")
+    if train:
+        lines.append(f"| steps | {train[-1]['step']} |")
+        for k in ("step_s", "gen_s", "train_s", "swap_s"):
+            vals = [r[k] for r in train if k in r]
+            if vals:
+                label = "wall time (step_s)" if k == "step_s" else k
+                lines.append(f"| mean {label} per step | {sum(vals) / len(vals):.2f} |")
+        mm = [r["mismatch"] for r in train if "mismatch" in r]
+        if mm:
+            lines.append(f"| mean engine/trainer logprob mismatch | {sum(mm) / len(mm):.2e} |")
+    lines.append(f"| wall time | {wall_s:.0f} s |")
+    return "\n".join(lines)

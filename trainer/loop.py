@@ -22,6 +22,7 @@ from urllib.parse import quote
 
 from tracegym.models import ModelNotFoundError
 from tracegym.trainer.config import RecipeError, TrainRecipe, load_recipe
+from tracegym.trainer.datasets import split_tasks
 from tracegym.trainer.gateway_client import TERMINAL, ControlClient, Group
 from tracegym.trainer.groups import reward_stats
 from tracegym.trainer.processes import Infra, start_infra
@@ -38,44 +39,6 @@ from tracegym.trainer.run_report import (
 from tracegym.types import Trajectory
 
 log = logging.getLogger(__name__)
-
-EVAL_FRACTION_CAP = 5
-"""Without ``data.eval_path``, at most ``1/EVAL_FRACTION_CAP`` of the tasks are held out for evaluation."""
-
-
-def load_tasks(path: Path) -> list[dict[str, Any]]:
-    """The recipe's JSONL tasks (the same format as ``tracegym enqueue``), with recipe-level errors."""
-    from tracegym.tasks import read_tasks
-
-    if not path.is_file():
-        raise RecipeError(f"dataset not found: {path}")
-    try:
-        tasks = read_tasks(path)
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
-    if not tasks:
-        raise RecipeError(f"dataset is empty: {path}")
-    return tasks
-
-
-def split_tasks(recipe: TrainRecipe) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``(train_tasks, eval_tasks)``: ``data.eval_path`` as the held-out set, or else ``data.eval_size``
-    tasks split off ``data.path`` (at most a fifth of them; warned about when that cuts ``eval_size``).
-    An empty held-out set means no evaluation."""
-    train_tasks = load_tasks(recipe.data.path)
-    if recipe.data.eval_path:
-        return train_tasks, load_tasks(recipe.data.eval_path)
-    random.Random(recipe.data.shuffle_seed).shuffle(train_tasks)
-    want = recipe.data.eval_size
-    n = min(want, len(train_tasks) // EVAL_FRACTION_CAP)
-    if n < want:
-        log.warning(
-            "data.eval_size %d cut to %d: at most 1/%d of the %d tasks in %s are held out%s",
-            want, n, EVAL_FRACTION_CAP, len(train_tasks), recipe.data.path,
-            "; there will be no evaluation (set data.eval_path)" if n == 0 else "",
-        )  # fmt: skip
-    return train_tasks[n:], train_tasks[:n]
-
 
 def check_recipe(recipe: TrainRecipe) -> Any:
     """What the recipe validator cannot see on its own, checked before any process starts: the workers'

@@ -22,9 +22,8 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -47,53 +46,14 @@ from tracegym.trainer.fsdp import (
     save_sharded,
     shard_model,
 )
-from tracegym.trainer.lora import LoraSettings, activate, apply_lora, check_checkpoint_base, model_fingerprint
-from tracegym.trainer.losses import PolicyLossConfig, entropy_from_logits, loss_scales, policy_loss
+from tracegym.trainer.lora import activate, apply_lora, check_checkpoint_base, model_fingerprint
+from tracegym.trainer.losses import entropy_from_logits, loss_scales, policy_loss
 from tracegym.trainer.models import cpu_compute_dtype, recover_dir, replace_dir
-from tracegym.trainer.optim import OptimSettings, build_optimizer, set_lr
+from tracegym.trainer.optim import build_optimizer, set_lr
+from tracegym.trainer.train_config import TrainConfig
 from tracegym.trainer.weight_sync import write_weights_dir
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class TrainConfig:
-    optim: OptimSettings = field(default_factory=OptimSettings)
-    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    micro_batch_tokens: int = 4096
-    """Token budget of one forward/backward (rows × longest row)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype. Master weights and optimizer state are always fp32; ``bfloat16`` means autocast
-    on CPU (worth it where the CPU has bf16 matrix units, AMX/AVX512-BF16) and FSDP2 mixed precision on
-    GPU."""
-    device: str | None = None
-    """``cpu`` or ``cuda`` (default: cuda when present)."""
-    seed: int = 0
-    entropy_tokens: int = 64
-    """The entropy metric is averaged over at most this many sampled tokens per micro-batch, evenly
-    spaced (a full-vocabulary softmax per token costs as much as the loss itself on small models);
-    0 turns it off."""
-    gradient_checkpointing: bool = False
-    torch_threads: int | None = None
-    lora: LoraSettings | None = None
-    """Train these LoRA adapters (``trainer/lora.py``) on a frozen base instead of the full model."""
-
-    @classmethod
-    def from_recipe(cls, recipe: Any, total_steps: int | None = None) -> TrainConfig:
-        """From a ``tracegym.trainer.config.TrainRecipe``."""
-        o, a = recipe.optim, recipe.algorithm
-        optim = OptimSettings(
-            lr=o.lr,
-            betas=tuple(o.betas),
-            total_steps=total_steps,
-            **{k: getattr(o, k) for k in ("weight_decay", "warmup_steps", "grad_clip")},
-        )
-        loss_keys = ("clip_low", "clip_high", "agg", "kl_coef", "kl_estimator", "tis_cap", "cispo_clip_low", "cispo_clip_high")
-        loss = PolicyLossConfig(name=a.loss, **{k: getattr(a, k) for k in loss_keys})
-        return cls(
-            optim=optim, loss=loss, micro_batch_tokens=o.micro_batch_tokens, dtype=o.dtype, seed=recipe.seed,
-            lora=LoraSettings.from_recipe(getattr(recipe, "lora", None)),
-        )
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -124,7 +84,8 @@ class TrainWorker:
 
     def setup(self, master_addr: str, master_port: int) -> None:
         cfg = self.cfg
-        if cfg.torch_threads: torch.set_num_threads(cfg.torch_threads)  # noqa: E701
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -446,7 +407,8 @@ class WorkerGroup:
         return replace_dir(tmp, d)
 
     def load_checkpoint(self, d: Path) -> dict[str, Any]:
-        """Restore a ``save_checkpoint`` directory; returns its ``extra`` (with ``step`` added). If a save
+        """Restore a ``save_checkpoint`` directory; returns its ``extra`` (``step``, the optimizer steps, only
+        where ``extra`` has none: the loop's step counts steps that had nothing to train on too). If a save
         was interrupted between its renames, the previous checkpoint is moved back first."""
         d = recover_dir(Path(d))
         if not (d / "trainer_state.json").is_file():
@@ -455,7 +417,7 @@ class WorkerGroup:
         if self.cfg.lora is not None:
             check_checkpoint_base(state, d, self.model_path)
         self._same("load_checkpoint", str(d))
-        return {**state["extra"], "step": state["step"]}
+        return {"step": state["step"], **state["extra"]}
 
     @property
     def step(self) -> int:

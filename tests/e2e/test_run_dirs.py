@@ -114,7 +114,7 @@ def test_only_the_last_checkpoint_and_weight_version_remain_and_resume_works(
     run = tmp_path / "run"  # run_dir is relative to the recipe, not to the current directory (ROOT)
     swaps = sum(1 for r in _rows(run) if r["kind"] == "train" and "loss" in r)
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint", "logs", "metrics.jsonl", "reward_curve.png", "summary.md", "tracegym.db",
+        "admin_key", "checkpoint", "logs", "metrics.jsonl", "reward_curve.png", "summary.md", "tracegym.db",
         *(["weights"] if swaps else []),
     ]  # fmt: skip
     assert _versions(run) == ([f"v{swaps}"] if swaps else [])

@@ -63,7 +63,9 @@ def _wait_mid_group(run: Path, err: Path, proc: subprocess.Popen) -> str:
         if url is None and (m := re.search(r"trace inspector: (http://[0-9.:]+)/ui", err.read_text())):
             url = m.group(1)
         if url is not None and (run / "checkpoint" / "trainer_state.json").is_file():
-            rows = httpx.get(f"{url}/api/rollouts", params={"limit": 500}, timeout=30).json()["rollouts"]
+            key = (run / "admin_key").read_text().strip()  # the run's gateway needs its key (README, Security)
+            rows = httpx.get(f"{url}/api/rollouts", params={"limit": 500}, timeout=30,
+                             headers={"Authorization": f"Bearer {key}"}).json()["rollouts"]
             step2 = [r for r in rows if r["group_id"] and r["group_id"].endswith(("-train-2", "-train-3"))]
             done = sum(r["status"] == "completed" for r in step2)
             if 0 < done < len(step2):

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tracegym.trainer import loop
+from tracegym.trainer import datasets, loop
 from tracegym.trainer.config import RecipeError, load_recipe
 from tracegym.trainer.gateway_client import Group
 from tracegym.trainer.run_report import StepProgress
@@ -152,7 +152,7 @@ def test_split_tasks_warns_when_the_fifth_cap_cuts_eval_size(
 ) -> None:
     recipe = load_recipe(_write(tmp_path, n_tasks=12, data={"path": "train.jsonl", "eval_size": 4}))
     with caplog.at_level(logging.WARNING, logger=loop.__name__):
-        train, ev = loop.split_tasks(recipe)
+        train, ev = datasets.split_tasks(recipe)
     assert len(ev) == 2 and len(train) == 10
     assert {t["task_id"] for t in train} | {t["task_id"] for t in ev} == {f"t{i}" for i in range(12)}
     assert "eval_size 4 cut to 2" in caplog.text
@@ -160,13 +160,13 @@ def test_split_tasks_warns_when_the_fifth_cap_cuts_eval_size(
     caplog.clear()
     recipe = load_recipe(_write(tmp_path, n_tasks=4))
     with caplog.at_level(logging.WARNING, logger=loop.__name__):
-        train, ev = loop.split_tasks(recipe)
+        train, ev = datasets.split_tasks(recipe)
     assert ev == [] and len(train) == 4 and "no evaluation" in caplog.text
 
     caplog.clear()
     recipe = load_recipe(_write(tmp_path, n_tasks=12, data={"path": "train.jsonl", "eval_size": 0}))
     with caplog.at_level(logging.WARNING, logger=loop.__name__):
-        train, ev = loop.split_tasks(recipe)
+        train, ev = datasets.split_tasks(recipe)
     assert ev == [] and len(train) == 12 and caplog.text == ""  # asked for none: nothing to warn about
 
 
@@ -222,7 +222,7 @@ def _bare_trainer(tmp_path: Path, ctl: FakeControl, **fields: Any) -> loop.Train
     recipe = load_recipe(_write(tmp_path, **fields))
     t = loop.Trainer.__new__(loop.Trainer)
     t.r, t.ctl = recipe, ctl
-    t.train_tasks, t.eval_tasks = loop.split_tasks(recipe)
+    t.train_tasks, t.eval_tasks = datasets.split_tasks(recipe)
     t.state, t.rng = loop.LoopState(order=list(range(len(t.train_tasks)))), random.Random(0)
     t.progress = StepProgress(recipe.steps)
     t._eval_skip_noted = False

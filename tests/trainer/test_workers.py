@@ -188,7 +188,8 @@ def test_swap_into_a_real_engine(
         assert metrics["mismatch"] < 1e-4, metrics["mismatch"]
 
         # the trainer asks the gateway, which runs the swap against the engine
-        settings = GatewaySettings(upstream_url=engine.base_url, model=str(tiny_model_dir), store_url=None)
+        settings = GatewaySettings(upstream_url=engine.base_url, model=str(tiny_model_dir), store_url=None,
+                                   weights_dir=str(tmp_path / "weights"))
         with ServerThread(create_app(settings, recorder=MemoryRecorder())) as gw:
             sync = DiskWeightSync(gw.url, tmp_path / "weights", keep=2)
             result = sync.push(g, "1")

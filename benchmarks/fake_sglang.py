@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(build_app(args), host=args.host, port=args.port, access_log=None, print=None)
+    web.run_app(build_app(args), host=args.host, port=args.port, access_log=None, print=None,
+                shutdown_timeout=0.5)  # a test stopping it must not wait for a --delay request
 
 
 if __name__ == "__main__":

@@ -271,3 +271,19 @@ def test_a_keyed_gateway_serves_the_page_and_asks_for_the_key(served: dict[str, 
         assert int(page.locator(".stat[data-status=failed] .n").inner_text()) >= 1
         # the only console errors are the refused reads before the right key was entered
         assert all("401" in e for e in tab.errors), tab.errors
+
+
+def test_system_page_lists_each_engine_of_a_fleet(served: dict[str, Any], browser: Any) -> None:
+    """The same store behind a gateway with two SGLang upstreams nobody serves: both engines are listed,
+    unhealthy, with why."""
+    port = free_port()
+    ups = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    argv = ["tracegym", "serve", "--port", str(port), "--store", f"sqlite:///{served['tmp'] / 'run' / 'tracegym.db'}",
+            "--upstream", ups[0], "--upstream", ups[1], "--upstream-kind", "sglang", "--model", "tiny-random"]
+    with start_process(argv, port=port, log_path=served["tmp"] / "fleet.log", health_path="/healthz", timeout=120):
+        tab = Page(browser, f"http://127.0.0.1:{port}")
+        page = tab.open("/ui/system")
+        rows = page.locator("tr.engine")
+        assert [rows.nth(i).get_attribute("data-url") for i in range(rows.count())] == ups
+        assert all("no" in rows.nth(i).inner_text() for i in range(2))
+        assert tab.errors == []

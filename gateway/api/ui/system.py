@@ -1,5 +1,5 @@
 """``GET /api/inspect/system``: the queue (tasks and rollouts by status, lease holders, failed rollouts
-with their tracebacks), the recorder's span counters, and the upstream with its weight version."""
+with their tracebacks), the recorder's span counters, and the upstream (each engine of a fleet) with its weight version."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from tracegym.gateway.proxy.upstream.fleet import UpstreamFleet
 from tracegym.gateway.traces.store import ui_reads
 from tracegym.gateway.traces.store.db import iso
 
@@ -55,11 +56,14 @@ def queue_report(store: Any) -> dict[str, Any]:
 
 async def upstream_report(services: Any, swap: Any) -> dict[str, Any]:
     """The upstream's kind, URL, model, health and current weight version (``error`` says why a part is
-    missing: an unreachable upstream must not fail the page)."""
+    missing: an unreachable upstream must not fail the page), and each engine of a fleet as its health
+    checks last saw it (``GET /api/upstreams`` asks them live)."""
     settings = services.settings
+    engines = services.upstream.engines if isinstance(services.upstream, UpstreamFleet) else []
     out: dict[str, Any] = {"kind": services.upstream.kind, "url": settings.upstream_url,
                            "model": services.served_model, "weight_version": None, "swapping": None,
-                           "last_swap": None, "health": None, "error": None}
+                           "last_swap": None, "health": None, "error": None,
+                           "engines": [e.report() for e in engines]}
     try:
         out["health"] = await asyncio.wait_for(services.upstream.health(), UPSTREAM_TIMEOUT_S)
         if swap is not None:

@@ -157,6 +157,25 @@ def test_system_view_counts_the_queue_and_reads_the_recorders_counters(scene) ->
     assert body["leases"] == []
 
 
+def test_system_view_lists_each_engine_of_a_fleet(store_url: str) -> None:
+    from tracegym.gateway.proxy.upstream.fleet import UpstreamFleet
+    from tracegym.gateway.proxy.upstream.sglang import SGLangUpstream
+
+    urls = ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    services = FakeServices()
+    services.upstream = UpstreamFleet([(u, SGLangUpstream(u, None)) for u in urls])  # type: ignore[arg-type]
+    a, b = services.upstream.engines
+    a.healthy, a.calls, a.weight_version = True, 5, "3"
+    b.healthy, b.error = False, "ConnectError: refused"
+    s = make_scenario(store_url)
+    with TestClient(inspector_app(s.store, services)) as client:
+        up = client.get("/api/inspect/system").json()["upstream"]
+    s.store.close()
+    assert up["health"] == {"reachable": True, "engines": 2, "healthy": [urls[0]]}
+    assert [(e["url"], e["healthy"], e["calls"], e["weight_version"], e["error"]) for e in up["engines"]] == [
+        (urls[0], True, 5, "3", None), (urls[1], False, 0, None, "ConnectError: refused")]
+
+
 def test_pages_and_static_files_are_served(scene) -> None:
     client, _ = scene
     for path in ("/ui", "/ui/", "/ui/rollouts", "/ui/rollouts/some-id", "/ui/runs/a%2Fb", "/ui/system"):

@@ -67,7 +67,18 @@ function upstream(u) {
     h("dt", {}, "weight version"), h("dd", { id: "upstream-version" }, u.weight_version ?? "–"),
     h("dt", {}, "swapping"), h("dd", {}, u.swapping === null ? "–" : String(u.swapping)),
     h("dt", {}, "last swap"), h("dd", {}, last ? `${last.weight_version} (${last.success ? "ok" : "failed"}, ${fmtSecs(last.swap_seconds)})` : "–")),
+  (u.engines || []).length > 1 ? engines(u.engines) : null,
   u.error ? h("div", { class: "error-box" }, u.error) : null);
+}
+
+// A fleet (--upstream repeated): each engine as its last health check saw it.
+function engines(rows) {
+  return table(["engine", "healthy", "in flight", "calls", "failovers", "weight version", "error"],
+    rows.map((e) => h("tr", { class: "engine", "data-url": e.url },
+      h("td", { class: "mono" }, e.url), h("td", {}, badge(e.healthy ? "yes" : "no", e.healthy ? "completed" : "failed")),
+      h("td", { class: "num" }, fmtNum(e.inflight)), h("td", { class: "num" }, fmtNum(e.calls)),
+      h("td", { class: "num" }, fmtNum(e.failovers)), h("td", {}, e.weight_version ?? "–"),
+      h("td", { class: "error-text" }, e.error ?? ""))));
 }
 
 function failed(rows) {

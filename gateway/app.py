@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -32,6 +32,11 @@ from tracegym.gateway.proxy.responses import routes as responses_routes
 from tracegym.gateway.proxy.upstream.base import ModelInfo, Upstream
 from tracegym.gateway.proxy.upstream.http import make_session
 from tracegym.gateway.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from tracegym.gateway.proxy.parents import StoredParents
+    from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
+    from tracegym.gateway.traces.store import Store
 
 log = logging.getLogger("tracegym.gateway")
 
@@ -189,7 +194,8 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         sys.setswitchinterval(switch_interval)
 
 
-def _stored_parents(settings: GatewaySettings, store: Any, prefix: Any, metrics: GatewayMetrics) -> Any:
+def _stored_parents(settings: GatewaySettings, store: Store | None, prefix: PrefixCache | None,
+                    metrics: GatewayMetrics) -> StoredParents | None:
     """The store lookup of prefix parents on a cache miss (``proxy/parents.py``): on every store, SQLite
     included (it finds the calls of a rollout served before a restart); None without a prefix cache or a
     store, or with ``prefix_lookup_timeout_s`` 0."""

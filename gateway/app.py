@@ -203,7 +203,7 @@ def _stored_parents(settings: GatewaySettings, store: Store | None, prefix: Pref
         return None
     from tracegym.gateway.proxy.parents import StoredParents
 
-    return StoredParents(store, metrics, timeout_s=settings.prefix_lookup_timeout_s, limit=prefix.max_calls)
+    return StoredParents(store, metrics, timeout_s=settings.prefix_lookup_timeout_s)
 
 
 def _redacted(url: str | None) -> str | None:

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 THREADS = 4
 """Threads that run lookups (each holds one store connection while its query runs)."""
+CALLS_READ = 16
+"""The rollout's latest calls a lookup reads. A call's parent is nearly always its rollout's latest call (with
+several agents in one rollout, its agent's latest); each row holds its whole conversation, so reading more
+costs more on long rollouts."""
 MAX_WAITING = 64
 """Lookups started and not yet finished (running or queued for a thread) beyond which a miss skips it."""
 
@@ -46,7 +50,7 @@ class StoredParents:
     """Reads a rollout's recorded calls for the prefix cache on a miss. Owned by the app's lifespan (which
     calls ``close``); ``replan`` is called from the event loop only."""
 
-    def __init__(self, store: Store, metrics: GatewayMetrics, *, timeout_s: float, limit: int) -> None:
+    def __init__(self, store: Store, metrics: GatewayMetrics, *, timeout_s: float, limit: int = CALLS_READ) -> None:
         self.store = store
         self.metrics = metrics
         self.timeout_s = timeout_s

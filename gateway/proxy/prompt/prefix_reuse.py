@@ -54,8 +54,9 @@ from tracegym.types import CallRecord
 log = logging.getLogger(__name__)
 
 _PROBE = "\x00tracegym-probe\x00"
-_MAX_STORED = 4
-"""Stored calls ``replan`` adds at most (the deepest parents; one is enough unless its reply was edited)."""
+_MAX_STORED = 2
+"""Stored calls ``replan`` adds at most (the deepest parents; one is enough unless its reply was edited).
+Each costs a render and an encode of its conversation."""
 _MAX_ABSENT = 256
 """Assistant turns per rollout known not to be in the store (the set starts over beyond it)."""
 
@@ -233,8 +234,10 @@ class PrefixCache:
             state, req.ctx, req.text, req.keys, req.messages, req.tools, req.tool_choice, req.kwargs
         )
         plan.prompt_text, plan.request = req.text, req
-        absent = state.absent
-        plan.lookup = any(k[0] == "assistant" and k not in absent for k in req.keys[req.covered :])
+        for k in req.keys[req.covered :]:  # the new messages (one or two on a hit)
+            if k[0] == "assistant" and k not in state.absent:
+                plan.lookup = True
+                break
         clean = plan.drift != "realigned"
         pending = req.pending
         if pending is not None and any(p is pending for p in state.pending):  # planned again

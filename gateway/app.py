@@ -11,9 +11,8 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -33,6 +32,11 @@ from tracegym.gateway.proxy.responses import routes as responses_routes
 from tracegym.gateway.proxy.upstream.base import ModelInfo, Upstream
 from tracegym.gateway.proxy.upstream.http import make_session
 from tracegym.gateway.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from tracegym.gateway.proxy.parents import StoredParents
+    from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
+    from tracegym.gateway.traces.store import Store
 
 log = logging.getLogger("tracegym.gateway")
 
@@ -156,15 +160,15 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         store, recorder = await asyncio.to_thread(_open_store, settings, injected, registry)
         if tokenizer is not None and upstream.token_native:
             from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
-            from tracegym.gateway.traces.reads import list_call_records
 
-            loader = None if store is None else partial(list_call_records, store)
-            prefix = PrefixCache(tokenizer, loader=loader)
+            prefix = PrefixCache(tokenizer)
         app.state.store, app.state.recorder = store, recorder
         app.state.swap = _swap_coordinator(upstream, store)
+        metrics = GatewayMetrics(registry)
+        parents = app.state.parents = _stored_parents(settings, store, prefix, metrics)
         app.state.services = Services(
             settings=settings, upstream=upstream, served_model=served, tokenizer=tokenizer, prefix=prefix,
-            recorder=recorder, metrics=GatewayMetrics(registry), created=int(time.time()), store=store,
+            recorder=recorder, metrics=metrics, created=int(time.time()), store=store, parents=parents,
         )
         log.info("gateway serving %r via %s upstream %s (tokenizer %s, store %s, %s)", served, upstream.kind,
                  settings.upstream_url, tdir, _redacted(settings.store_url),
@@ -178,6 +182,8 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
     finally:
         if getattr(app.state, "swap", None) is not None:
             await app.state.swap.close()
+        if getattr(app.state, "parents", None) is not None:
+            app.state.parents.close()
         if upstream is not None:
             await upstream.close()
         await session.close()
@@ -186,6 +192,18 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         if store is not None:
             await asyncio.to_thread(store.close)
         sys.setswitchinterval(switch_interval)
+
+
+def _stored_parents(settings: GatewaySettings, store: Store | None, prefix: PrefixCache | None,
+                    metrics: GatewayMetrics) -> StoredParents | None:
+    """The store lookup of prefix parents on a cache miss (``proxy/parents.py``): on every store, SQLite
+    included (it finds the calls of a rollout served before a restart); None without a prefix cache or a
+    store, or with ``prefix_lookup_timeout_s`` 0."""
+    if prefix is None or store is None or not settings.prefix_lookup_timeout_s:
+        return None
+    from tracegym.gateway.proxy.parents import StoredParents
+
+    return StoredParents(store, metrics, timeout_s=settings.prefix_lookup_timeout_s)
 
 
 def _redacted(url: str | None) -> str | None:

@@ -17,6 +17,7 @@ from tracegym.gateway.traces.store.repo import Store
 from tracegym.types import CallRecord
 
 if TYPE_CHECKING:
+    from tracegym.gateway.proxy.parents import StoredParents
     from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
     from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
@@ -58,6 +59,14 @@ class GatewayMetrics:
             "tracegym_gateway_upstream_errors", "Upstream calls that failed, by HTTP status answered",
             ["kind", "status"], registry=registry,
         )
+        self.prefix_lookups = Counter(
+            "tracegym_gateway_prefix_lookups", "Store lookups of prefix parents on a prefix-cache miss "
+            "(proxy/parents.py), by outcome: found, none, timeout, error, busy", ["result"], registry=registry,
+        )
+        self.prefix_lookup_latency = Histogram(
+            "tracegym_gateway_prefix_lookup_seconds", "Store lookups of prefix parents: read and re-plan",
+            registry=registry, buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+        )
 
     def count_request(self, route: str, method: str, status: int) -> None:
         """``requests.labels(...).inc()`` with the labelled child cached (labels() takes a lock)."""
@@ -66,6 +75,11 @@ class GatewayMetrics:
         if child is None:
             child = self._request_children[key] = self.requests.labels(route, method, str(status))
         child.inc()
+
+    def count_prefix_lookup(self, result: str, seconds: float) -> None:
+        self.prefix_lookups.labels(result).inc()
+        if result in ("found", "none"):
+            self.prefix_lookup_latency.observe(seconds)
 
     def observe_upstream(self, kind: str, operation: str, stream: bool, seconds: float) -> None:
         """``upstream_latency.labels(...).observe(seconds)`` with the labelled child cached."""
@@ -90,6 +104,8 @@ class Services:
     store: Store | None = None
     """The trace store (None when recording is off): where stored Responses are looked up
     (``GET /v1/responses/{id}``, ``previous_response_id``)."""
+    parents: StoredParents | None = None
+    """Prefix parents read from the store on a prefix-cache miss (None: no store, or the lookup is off)."""
 
 
 # ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in a thread pool (a thread hop per

@@ -70,8 +70,9 @@ def new_context(operation: str, path_rollout: str | None, headers: Any, *, id_pr
     )
 
 
-def plan_prompt(svc: Services, parsed: ParsedRequest, ctx: CallContext) -> Prompt:
-    """The exact prompt ids (token-native upstreams), reusing the rollout's earlier ids for chat."""
+async def plan_prompt(svc: Services, parsed: ParsedRequest, ctx: CallContext) -> Prompt:
+    """The exact prompt ids (token-native upstreams), reusing the rollout's earlier ids for chat: from the
+    prefix cache, or on a miss from the rollout's calls in the store (``parents.py``)."""
     if parsed.operation == "text_completion":
         if isinstance(parsed.prompt, list):
             return Prompt(ids=list(parsed.prompt))
@@ -82,6 +83,8 @@ def plan_prompt(svc: Services, parsed: ParsedRequest, ctx: CallContext) -> Promp
     if ctx.adhoc:  # a fresh rollout id minted for this call: no history to reuse, no store lookup
         return Prompt(ids=svc.tokenizer.apply(parsed.messages, parsed.tools, **template_kwargs(parsed)))
     plan = svc.prefix.plan_chat(ctx.rollout_id, parsed.messages, parsed.tools, **template_kwargs(parsed))
+    if plan.lookup and svc.parents is not None:
+        plan = await svc.parents.replan(svc.prefix, ctx.rollout_id, plan)
     return Prompt(ids=plan.prompt_ids, drift=plan.drift, prefix_len=plan.prefix_len)
 
 

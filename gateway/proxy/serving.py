@@ -66,9 +66,9 @@ def check_model(svc: Services, model: str) -> None:
                           param="model", code="model_not_found")
 
 
-def plan(svc: Services, parsed: ParsedRequest, ctx: CallContext) -> Prompt:
+async def plan(svc: Services, parsed: ParsedRequest, ctx: CallContext) -> Prompt:
     try:
-        return plan_prompt(svc, parsed, ctx)
+        return await plan_prompt(svc, parsed, ctx)
     except ValueError as e:  # templating.TemplateRenderError and bad message/tool shapes are ValueErrors
         raise bad_request(f"could not render these messages with the chat template: {e}", "messages") from e
 
@@ -114,7 +114,7 @@ async def run_call(svc: Services, parsed: ParsedRequest, ctx: CallContext, build
     The answer goes out once the call's span is committed (``GatewaySettings.durability``)."""
     check_model(svc, parsed.model)
     cap_max_tokens(svc, parsed)
-    prompt = plan(svc, parsed, ctx)
+    prompt = await plan(svc, parsed, ctx)
     req = generate_request(svc, parsed, ctx, prompt)
     started = time.perf_counter()
     if parsed.stream:

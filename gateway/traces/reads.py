@@ -171,6 +171,11 @@ def list_call_records(store: Store, rollout_id: str) -> list[CallRecord]:
     return list_call_records_many(store, [rollout_id]).get(rollout_id, [])
 
 
+def recent_call_records(store: Store, rollout_id: str, limit: int) -> list[CallRecord]:
+    """The rollout's latest ``limit`` LLM calls as ``CallRecord``s, in start order (one indexed query)."""
+    return call_records_of_rows(store.recent_call_rows(rollout_id, CALL_COLUMNS, limit), with_request=True)
+
+
 # -- TokenCalls --------------------------------------------------------------------------------------------
 class _ChoiceMeta(msgspec.Struct, gc=False):
     """The part of a ``tracegym.choices`` entry the assembly reads (its message is skipped unparsed)."""

@@ -22,6 +22,9 @@ A reply matches when it comes back as recorded (its reasoning as ``reasoning_con
 
 A request whose messages equal an earlier call's messages (a retry) reuses that call's prompt ids whole.
 
+The earlier calls are the ones this process served (memory), or on a miss the rollout's calls another
+gateway recorded in the shared store (``PromptPlan.lookup``, ``PrefixCache.replan``, ``proxy/parents.py``).
+
 Cost: the drift check does not re-tokenize the history. A parent whose own prompt matched its
 re-render stores where its text was last split by a special token; the check tokenizes only from
 there (the last turn plus the new messages), which equals tokenizing the whole because the tokenizer
@@ -31,29 +34,46 @@ that does not hold, which is detected for Metaspace ``prepend_scheme="first"``).
 
 from __future__ import annotations
 
-import json
 import logging
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracegym.gateway.proxy.prompt.reasoning import join_reasoning, split_reasoning
-from tracegym.gateway.proxy.prompt.templating import (
-    ChatTokenizer,
-    check_template_kwargs,
-    check_tool_choice,
-    check_tools,
-    content_text,
+from tracegym.gateway.proxy.prompt.message_keys import (
+    MsgKey,
+    bare_key,
+    context_key,
+    message_key,
+    request_args,
 )
-from tracegym.gateway.proxy.prompt.tools import parse_arguments
+from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 from tracegym.types import CallRecord
 
 log = logging.getLogger(__name__)
 
-MsgKey = tuple[str, str, tuple[tuple[str, str], ...], str | None]
 _PROBE = "\x00tracegym-probe\x00"
+_MAX_STORED = 2
+"""Stored calls ``replan`` adds at most (the deepest parents; one is enough unless its reply was edited).
+Each costs a render and an encode of its conversation."""
+_MAX_ABSENT = 256
+"""Assistant turns per rollout known not to be in the store (the set starts over beyond it)."""
+
+
+@dataclass(slots=True)
+class _Request:
+    """What ``plan_chat`` computed of a request, kept so ``PrefixCache.replan`` can plan it again."""
+
+    ctx: str
+    text: str
+    keys: tuple[MsgKey, ...]
+    messages: list[dict[str, Any]]
+    tools: list | None
+    tool_choice: Any
+    kwargs: dict[str, Any]
+    covered: int = 0  # leading messages the plan accounts for (a parent's messages and its reply)
+    pending: _Pending | None = None
 
 
 @dataclass
@@ -63,64 +83,11 @@ class PromptPlan:
     prefix_len: int  # leading ids reused from the parent call
     parent_call_id: str | None
     prompt_text: str = ""  # the full re-render of the request's messages
-
-
-# ------------------------------------------------------------------------------------------ comparisons
-
-
-def _canonical_arguments(arguments: Any) -> str:
-    parsed = parse_arguments(arguments)
-    if isinstance(arguments, str) and parsed is arguments:  # not JSON: compared as sent
-        return "raw:" + arguments
-    return json.dumps(parsed, sort_keys=True, ensure_ascii=False)
-
-
-def message_key(m: dict[str, Any]) -> MsgKey:
-    """What must be equal for two messages to count as the same: role, content (with a
-    ``reasoning_content`` written in as ``<think>``), calls, tool_call_id."""
-    role, content, calls = m.get("role"), m.get("content"), m.get("tool_calls")
-    text = content if isinstance(content, str) else content_text(content)
-    reasoning = m.get("reasoning_content")
-    return (
-        "system" if role == "developer" else str(role),
-        text if not isinstance(reasoning, str) else join_reasoning(reasoning, text),
-        tuple(_call_key(c) for c in calls) if calls else (),
-        m.get("tool_call_id"),
-    )
-
-
-def bare_key(m: dict[str, Any]) -> MsgKey | None:
-    """The key of reply ``m`` sent back without its reasoning; None when it has none."""
-    if isinstance(m.get("reasoning_content"), str):
-        return message_key({**m, "reasoning_content": None})
-    role, content, calls, tool_call_id = message_key(m)
-    reasoning, text = split_reasoning(content)
-    return None if reasoning is None else (role, text, calls, tool_call_id)
-
-
-def _call_key(call: dict[str, Any]) -> tuple[str, str]:
-    fn = call.get("function") or {}
-    return str(fn.get("name")), _canonical_arguments(fn.get("arguments"))
-
-
-_PLAIN_CONTEXT = json.dumps([None, "auto", {}], sort_keys=True)
-"""``context_key`` of a call without tools, tool_choice or template kwargs (most calls: no JSON work)."""
-
-
-def context_key(tools: Any, tool_choice: Any, kwargs: dict[str, Any]) -> str:
-    """Everything besides the messages that changes the render: tools, tool_choice, template kwargs."""
-    if not tools and not kwargs and (tool_choice is None or tool_choice == "auto"):
-        return _PLAIN_CONTEXT
-    return json.dumps(
-        [check_tools(tools), check_tool_choice(tool_choice), kwargs], sort_keys=True, default=str
-    )
-
-
-def request_args(request: dict[str, Any]) -> tuple[list[dict[str, Any]], Any, dict[str, Any]]:
-    """``(messages, tools, template kwargs)`` of an OpenAI chat body, as ``plan_chat`` takes them."""
-    kwargs = check_template_kwargs(request.get("chat_template_kwargs"))
-    kwargs["tool_choice"] = request.get("tool_choice")
-    return request["messages"], request.get("tools"), kwargs
+    lookup: bool = False
+    """The request holds assistant turns after the part this plan reuses that no call in memory explains:
+    a call recorded elsewhere (another gateway on the same store, or this one before a restart) may be its
+    parent. ``PrefixCache.replan`` plans again with the rollout's stored calls."""
+    request: _Request | None = field(default=None, repr=False, compare=False)
 
 
 # ---------------------------------------------------------------------------------------------- storage
@@ -166,6 +133,8 @@ class _Rollout:
     calls: deque[_Call]
     pending: deque[_Pending] = field(default_factory=lambda: deque(maxlen=8))
     call_ids: set[str] = field(default_factory=set)  # of ``calls`` (kept in step as the deque drops its oldest)
+    absent: set[MsgKey] = field(default_factory=set)
+    """Assistant turns a store lookup found no call for (the agent wrote them): not looked up again."""
 
     def add(self, call: _Call) -> None:
         if len(self.calls) == self.calls.maxlen:
@@ -180,10 +149,17 @@ class _Rollout:
 class PrefixCache:
     """Per-rollout memory of recent chat calls, bounded (LRU on rollouts, last N calls per rollout).
 
-    Owned by the app's lifespan; called from the asyncio loop only. On a miss for a rollout,
-    ``loader(rollout_id)`` (the store's CallRecords of that rollout, in order) rebuilds it once.
-    Callers: ``plan = cache.plan_request(rid, body)`` (or ``plan_chat``) before the upstream call, then
+    Owned by the app's lifespan; called from the asyncio loop only. Callers: ``plan =
+    cache.plan_request(rid, body)`` (or ``plan_chat``) before the upstream call, then
     ``cache.remember(rid, record)`` with ``record.prompt_ids == plan.prompt_ids`` after it succeeded.
+
+    A miss: the memory is per process, so a call that extends a call another gateway served (several
+    gateways on one store, no sticky routing), or this one before a restart or an eviction, finds no parent
+    here, or an older one. Its messages then hold an assistant turn after the part the plan reuses that
+    no call in memory explains: ``plan.lookup`` says so, and ``cache.replan(rid, plan, records)`` with the
+    rollout's stored calls (``proxy/parents.py`` reads them, off the event loop) adds the ones the request
+    extends and plans again, exactly as if they had been remembered here. A turn the store does not
+    explain either (the agent wrote it) is not looked up again.
     """
 
     def __init__(
@@ -191,7 +167,6 @@ class PrefixCache:
         tokenizer: ChatTokenizer,
         *,
         max_rollouts: int = 10_000,
-        loader: Callable[[str], list[CallRecord]] | None = None,
         max_calls_per_rollout: int = 32,
         full_check: bool = False,
     ) -> None:
@@ -200,12 +175,10 @@ class PrefixCache:
         self.tok = tokenizer
         self.max_rollouts = max_rollouts
         self.max_calls = max_calls_per_rollout
-        self.loader = loader
         self.full_check = full_check or not tokenizer.segmented
         self._split_tokens = list(tokenizer.template_split_tokens)
         self._rollouts: OrderedDict[str, _Rollout] = OrderedDict()
         self._trailer: str | bool | None = None  # None: not probed yet; False: unknown
-        self.loads = 0  # how many times the loader was called (observability)
 
     def __len__(self) -> int:
         return len(self._rollouts)
@@ -230,10 +203,23 @@ class PrefixCache:
         ctx = context_key(tools, tool_choice, template_kwargs)
         text = self.tok.render(messages, tools=tools, tool_choice=tool_choice, **template_kwargs)
         keys = tuple(message_key(m) for m in messages)
+        req = _Request(ctx, text, keys, messages, tools, tool_choice, template_kwargs)
+        return self._planned(self._state(rollout_id), req)
+
+    def replan(self, rollout_id: str, plan: PromptPlan, records: Iterable[CallRecord]) -> PromptPlan:
+        """``plan`` (``plan.lookup``) again after adding ``records`` (the rollout's stored calls, in start
+        order) that its request extends and that this cache lacks: the deepest few, as ``remember`` would
+        have kept them. The assistant turns still unexplained are not looked up again."""
+        req = plan.request
+        if req is None:
+            raise ValueError("replan takes a plan made by plan_chat")
         state = self._state(rollout_id)
-        plan, keys = self._plan(state, ctx, text, keys, messages, tools, tool_choice, template_kwargs)
-        plan.prompt_text = text
-        state.pending.append(_Pending(plan.prompt_ids, ctx, text, keys, plan.drift != "realigned"))
+        if self._add_stored(state, req.keys, records):
+            plan = self._planned(state, req)
+        state.absent.update(k for k in req.keys[req.covered :] if k[0] == "assistant")
+        if len(state.absent) > _MAX_ABSENT:
+            state.absent.clear()
+        plan.lookup = False
         return plan
 
     def remember(self, rollout_id: str, record: CallRecord) -> None:
@@ -241,6 +227,25 @@ class PrefixCache:
         self._add(self._state(rollout_id), record)
 
     # ---- planning
+
+    def _planned(self, state: _Rollout, req: _Request) -> PromptPlan:
+        """The plan of ``req`` from ``state``, its pending entry (for ``remember``) added or updated."""
+        plan, keys, req.covered = self._plan(
+            state, req.ctx, req.text, req.keys, req.messages, req.tools, req.tool_choice, req.kwargs
+        )
+        plan.prompt_text, plan.request = req.text, req
+        for k in req.keys[req.covered :]:  # the new messages (one or two on a hit)
+            if k[0] == "assistant" and k not in state.absent:
+                plan.lookup = True
+                break
+        clean = plan.drift != "realigned"
+        pending = req.pending
+        if pending is not None and any(p is pending for p in state.pending):  # planned again
+            pending.prompt_ids, pending.keys, pending.clean = plan.prompt_ids, keys, clean
+        else:
+            req.pending = _Pending(plan.prompt_ids, req.ctx, req.text, keys, clean)
+            state.pending.append(req.pending)
+        return plan
 
     def _plan(
         self,
@@ -252,7 +257,9 @@ class PrefixCache:
         tools: list | None,
         tool_choice: Any,
         kwargs: dict[str, Any],
-    ) -> tuple[PromptPlan, tuple[MsgKey, ...]]:
+    ) -> tuple[PromptPlan, tuple[MsgKey, ...], int]:
+        """The plan, the keys to keep for it (sharing the parent's), and how many leading messages it
+        accounts for (the parent's and its reply; all of them for a retry; 0 when rendered whole)."""
         forked: _Call | None = None
         for call in reversed(state.calls):
             n = len(call.messages)
@@ -266,7 +273,7 @@ class PrefixCache:
                     ids = list(call.prompt_ids)
                     return PromptPlan(
                         ids, "clean" if call.clean else "realigned", len(ids), call.call_id
-                    ), keys
+                    ), keys, n
                 continue
             choice = next((ch for ch in call.choices if ch.matches(keys[n])), None)
             if choice is None:
@@ -280,11 +287,11 @@ class PrefixCache:
             reply = choice.reply if choice.reply == keys[n] else keys[n]
             shared = (*call.messages, reply, *keys[n + 1 :])  # share the parent's key objects
             prefix = len(call.prompt_ids) + len(choice.output_ids)
-            return PromptPlan(ids, drift, prefix, call.call_id), shared
+            return PromptPlan(ids, drift, prefix, call.call_id), shared, n + 1
         ids = self.tok.encode(text)
         if forked is not None:
-            return PromptPlan(ids, "forked", 0, forked.call_id), keys
-        return PromptPlan(ids, "none", 0, None), keys
+            return PromptPlan(ids, "forked", 0, forked.call_id), keys, 0
+        return PromptPlan(ids, "none", 0, None), keys, 0
 
     def _extend(
         self,
@@ -382,22 +389,48 @@ class PrefixCache:
         self._rollouts[rollout_id] = state
         while len(self._rollouts) > self.max_rollouts:
             self._rollouts.popitem(last=False)
-        if self.loader is not None:
-            self.loads += 1
-            for record in self.loader(rollout_id):
-                self._add(state, record)
         return state
 
-    def _add(self, state: _Rollout, record: CallRecord) -> None:
+    def _add_stored(self, state: _Rollout, keys: tuple[MsgKey, ...], records: Iterable[CallRecord]) -> bool:
+        """Add the deepest few of ``records`` this cache lacks whose messages ``keys`` start with (the
+        parents a request with ``keys`` may extend or retry), then order the rollout's calls by depth, so
+        planning meets the deepest parent first (store order, by start time, comes from several clocks).
+        Whether any was added."""
+        candidates: list[tuple[int, CallRecord, list]] = []
+        for rec in records:
+            if rec.call_id in state.call_ids or rec.operation != "chat" or rec.status != "ok":
+                continue
+            messages = rec.request.get("messages")
+            if isinstance(messages, list) and 0 < len(messages) <= len(keys):
+                candidates.append((len(messages), rec, messages))
+        candidates.sort(key=lambda c: c[0], reverse=True)  # the deepest first
+        added = 0
+        for n, rec, messages in candidates:
+            try:  # from the last message back: another branch's call differs there soonest
+                same = all(message_key(messages[i]) == keys[i] for i in range(n - 1, -1, -1))
+            except (AttributeError, TypeError, ValueError) as e:  # a stored body that is no chat request
+                log.warning("stored call %s cannot be a prefix parent: %r", rec.call_id, e)
+                continue
+            if same and self._add(state, rec):
+                added += 1
+                if added == _MAX_STORED:
+                    break
+        if added:
+            state.calls = deque(sorted(state.calls, key=lambda c: len(c.messages)), maxlen=self.max_calls)
+            state.call_ids = {c.call_id for c in state.calls}
+        return added > 0
+
+    def _add(self, state: _Rollout, record: CallRecord) -> bool:
+        """Keep ``record`` as a possible parent; whether it was added."""
         if record.operation != "chat" or record.status != "ok" or record.prompt_ids is None:
-            return
+            return False
         if record.call_id in state.call_ids:
-            return
+            return False
         try:
             messages, tools, kwargs = request_args(record.request)
         except (KeyError, ValueError) as e:  # a stored body (e.g. ingested over OTLP) that is no chat request
             log.warning("call %s cannot be a prefix parent: %r", record.call_id, e)
-            return
+            return False
         tool_choice = kwargs.pop("tool_choice")
         ctx = context_key(tools, tool_choice, kwargs)
         pending = next((p for p in state.pending if p.ctx == ctx and p.prompt_ids == record.prompt_ids), None)
@@ -411,7 +444,7 @@ class PrefixCache:
                 log.warning(
                     "call %s cannot be a prefix parent: its messages do not render: %s", record.call_id, e
                 )
-                return
+                return False
             keys = tuple(message_key(m) for m in messages)
             clean = self.tok.encode(text) == list(record.prompt_ids)
         split_at = max((i + len(t) for t in self._split_tokens if (i := text.rfind(t)) >= 0), default=0)
@@ -442,3 +475,4 @@ class PrefixCache:
                 choices,
             )
         )
+        return True

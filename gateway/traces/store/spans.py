@@ -72,6 +72,24 @@ class SpansMixin:
             finally:
                 cur.close()
 
+    def recent_call_rows(self, rollout_id: str, columns: tuple[str, ...], limit: int) -> list[tuple]:
+        """``columns`` (rendered as in ``call_rows``, request included) of the rollout's latest ``limit``
+        gateway spans, in start order: one query on the ``(rollout_id, start_time_ns)`` index, read
+        backwards (prefix reuse's parents recorded by another gateway, ``reads.recent_call_records``)."""
+        dialect = self.db.dialect
+        mark = "%s" if dialect == "postgresql" else "?"
+        sql = (f"SELECT {_columns_sql(dialect, True, columns)} FROM spans WHERE rollout_id = {mark} "
+               f"AND source = 'gateway' ORDER BY start_time_ns DESC, id DESC LIMIT {int(limit)}")
+        with self.db.read() as conn:
+            cur = conn.connection.dbapi_connection.cursor()
+            try:
+                cur.execute(sql, (rollout_id,))
+                rows = cur.fetchall()
+            finally:
+                cur.close()
+        rows.reverse()
+        return rows
+
     def span_rows(self, rollout_id: str) -> list[Mapping[str, Any]]:
         """Every column of a rollout's spans (gateway and OTLP-ingested) in start order: JSON columns
         parsed, token arrays as their stored blobs."""

@@ -14,7 +14,7 @@ from tracegym.gateway.errors import OpenAIError
 from tracegym.gateway.proxy.anthropic.body import content_blocks, stop_reason
 from tracegym.gateway.proxy.anthropic.request import chat_request as messages_chat_request
 from tracegym.gateway.proxy.anthropic.request import parse_messages
-from tracegym.gateway.proxy.prompt.prefix_reuse import message_key
+from tracegym.gateway.proxy.prompt.message_keys import message_key
 from tracegym.gateway.proxy.responses.items import check_tool_outputs, input_items, output_items
 from tracegym.gateway.proxy.responses.request import chat_request, parse_responses
 from tracegym.gateway.proxy.turns import Turn

@@ -266,7 +266,7 @@ def test_retry_of_the_same_request_reuses_its_prompt(tok) -> None:
     assert (p3.parent_call_id, p3.prefix_len) == (r.records[1].call_id, len(p2.prompt_ids))
 
 
-def test_loader_rebuilds_a_rollout_once(tok) -> None:
+def test_replan_adds_stored_parents_a_fresh_cache_lacks(tok) -> None:
     first = Rollout(PrefixCache(tok))
     msgs = [user("Weather in Paris?")]
     sample = '<tool_call> {"name": "get_weather", "arguments": {"city": "Paris"}} </tool_call>' + END
@@ -275,28 +275,70 @@ def test_loader_rebuilds_a_rollout_once(tok) -> None:
     _, (a2,) = first.call({"messages": msgs2, "tools": [WEATHER]}, "21 degrees." + END)
     msgs3 = [*msgs2, a2, user("and tomorrow?")]
     expected = first.cache.plan_request("r1", {"messages": msgs3, "tools": [WEATHER]})
-    assert expected.drift == "realigned"
+    assert expected.drift == "realigned" and not expected.lookup  # in memory: no lookup
 
-    asked: list[str] = []
-
-    def loader(rid: str) -> list[CallRecord]:
-        asked.append(rid)
-        failed = CallRecord("bad", rid, "chat", "m", "sglang", {"messages": msgs}, [], None, status="error")
-        return [failed, *first.records] if rid == "r1" else []
-
-    cache = PrefixCache(tok, loader=loader)
+    cache = PrefixCache(tok)  # another gateway, or this one after a restart
     plan = cache.plan_request("r1", {"messages": msgs3, "tools": [WEATHER]})
-    assert (plan.prompt_ids, plan.drift, plan.prefix_len, plan.parent_call_id) == (
-        expected.prompt_ids,
-        expected.drift,
-        expected.prefix_len,
-        expected.parent_call_id,
-    )
-    cache.remember("r1", first.records[-1])  # already loaded: not duplicated
-    cache.plan_request("r1", {"messages": msgs3, "tools": [WEATHER]})
-    assert asked == ["r1"] and cache.loads == 1
-    assert cache.plan_request("r2", {"messages": msgs}).drift == "none"
-    assert asked == ["r1", "r2"]
+    assert plan.lookup and plan.drift == "none" and plan.prompt_ids != expected.prompt_ids
+    failed = CallRecord("bad", "r1", "chat", "m", "sglang", {"messages": msgs}, [], None, status="error")
+    other = CallRecord("odd", "r1", "chat", "m", "sglang", {"messages": "not a list"}, [], [1])
+    stored = [failed, other, *reversed(first.records)]  # any order: the deepest parent is taken
+    plan = cache.replan("r1", plan, stored)
+    assert (plan.prompt_ids, plan.drift, plan.prefix_len, plan.parent_call_id, plan.lookup) == (
+        expected.prompt_ids, expected.drift, expected.prefix_len, expected.parent_call_id, False)
+    cache.remember("r1", first.records[-1])  # already added: not duplicated
+    assert len(cache._rollouts["r1"].calls) == 2
+    again = cache.plan_request("r1", {"messages": msgs3, "tools": [WEATHER]})
+    assert again.prompt_ids == expected.prompt_ids and not again.lookup
+
+
+def test_calls_alternating_between_two_caches_stay_one_sequence(tok) -> None:
+    """Two gateways on one store, a rollout's calls alternating between them: with ``replan`` on each
+    lookup, every prompt continues the previous call's prompt and sampled ids; without it the sampled ids
+    of the call the other gateway served are re-tokenized."""
+    for lookup in (True, False):
+        caches = [PrefixCache(tok), PrefixCache(tok)]
+        stored: list[CallRecord] = []
+        msgs, prev, broken = [user("Spell hello.")], None, 0
+        for turn in range(6):
+            r = Rollout(caches[turn % 2])
+            plan = r.cache.plan_request("r1", {"messages": msgs})
+            if lookup and plan.lookup:
+                plan = r.cache.replan("r1", plan, stored)
+            out = [i for ch in f"he llo {turn}" for i in tok.encode(ch)] + tok.encode(END)  # not canonical
+            if prev is not None and plan.prompt_ids[: len(prev)] != prev:
+                broken += 1
+            prev = plan.prompt_ids + out
+            _, (reply,) = r.call({"messages": msgs}, out)  # plans again from memory: the same plan
+            assert r.records[-1].prompt_ids == plan.prompt_ids
+            stored.append(r.records[-1])
+            msgs = [*msgs, reply, user(f"again {turn}")]
+        assert broken == (0 if lookup else 5)
+
+
+def test_a_turn_the_store_does_not_explain_is_looked_up_once(tok) -> None:
+    r = Rollout(PrefixCache(tok))
+    shot = [user("2+2?"), {"role": "assistant", "content": "4"}, user("3+3?")]  # the agent wrote the reply
+    plan = r.cache.plan_request("r1", {"messages": shot})
+    assert plan.lookup
+    plan = r.cache.replan("r1", plan, [])
+    assert plan.drift == "none" and not plan.lookup and plan.prompt_ids == tok.apply(shot)
+    assert not r.cache.plan_request("r1", {"messages": shot}).lookup
+    _, (reply,) = r.call({"messages": shot}, "6" + END)
+    assert not r.cache.plan_request("r1", {"messages": [*shot, reply, user("4+4?")]}).lookup
+    with pytest.raises(ValueError, match="plan_chat"):
+        r.cache.replan("r1", PromptPlan([1], "none", 0, None), [])
+
+
+def test_a_retry_on_another_cache_reuses_the_stored_prompt(tok) -> None:
+    a = Rollout(PrefixCache(tok))
+    _, (reply,) = a.call({"messages": [user("hi")]}, [i for ch in "Hey" for i in tok.encode(ch)] + tok.encode(END))
+    msgs2 = [user("hi"), reply, user("again")]
+    p2, _ = a.call({"messages": msgs2}, "a" + END)
+    b = PrefixCache(tok)
+    plan = b.plan_request("r1", {"messages": msgs2})
+    plan = b.replan("r1", plan, a.records)
+    assert (plan.prompt_ids, plan.drift, plan.parent_call_id) == (p2.prompt_ids, p2.drift, a.records[1].call_id)
 
 
 def test_lru_bound_on_rollouts(tok) -> None:

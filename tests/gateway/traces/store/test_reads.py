@@ -18,6 +18,7 @@ from tracegym.gateway.traces.reads import (
     list_call_records,
     list_call_records_many,
     list_spans,
+    recent_call_records,
 )
 from tracegym.gateway.traces.store import Store
 from tracegym.gateway.traces.store.schema import spans as S
@@ -78,6 +79,20 @@ def test_reads_without_request_and_token_calls_equal_the_default_read(store: Sto
     # one int64 prompt makes every id blob of its rollout int64 (blobs of one type compare as bytes)
     assert {t for c in tokens["ro-2"] for t in c["tags"]} == {b"q"}
     assert [c["prompt"] for c in tokens["ro-2"]] == [r.prompt_ids for r in recs[4:]]
+
+
+def test_recent_call_records_are_the_latest_calls_in_start_order(store: Store):
+    recs = [make_record(i, start_time_ns=1_700_000_000_000_000_000 + (7 - i) * 1000) for i in range(8)]
+    recs.append(make_record(9, rollout_id="ro-other"))
+    insert_call_records(store, recs)
+    store.insert_spans([{"trace_id": "t" * 32, "span_id": "a" * 16, "rollout_id": "ro-1", "source": "otlp",
+                         "name": "tool", "start_time_ns": 2_000_000_000_000_000_000,
+                         "end_time_ns": 2_000_000_000_000_000_001, "attributes": {}}])  # the agent's own span
+    by_start = sorted(recs[:8], key=lambda r: r.start_time_ns)
+    got = recent_call_records(store, "ro-1", 3)
+    assert [c.to_dict() for c in got] == [r.to_dict() for r in by_start[-3:]]
+    assert [c.call_id for c in recent_call_records(store, "ro-1", 100)] == [r.call_id for r in by_start]
+    assert recent_call_records(store, "ro-none", 3) == []
 
 
 def test_token_calls_refuse_blobs_that_do_not_match_their_choices(store: Store):

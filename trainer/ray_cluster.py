@@ -78,12 +78,29 @@ def connect(settings: RaySettings) -> bool:
         return False
     main = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if main else None
-    ray.init(**settings.init_kwargs())
+    try:
+        ray.init(**settings.init_kwargs())
+    except ConnectionError as e:
+        if not settings.joins_cluster():
+            raise
+        raise JoinError(join_error_message(settings.address or os.environ["RAY_ADDRESS"], e)) from e
     if previous is not None:  # ray.init puts sys.exit(15) in; keep the caller's (tracegym train: exit 143)
         signal.signal(signal.SIGTERM, previous)
     if settings.joins_cluster():
         log.info("joined the Ray cluster at %s", settings.address or os.environ["RAY_ADDRESS"])
     return True
+
+
+class JoinError(ConnectionError):
+    """The Ray cluster to join did not accept this driver (unreachable, or its token was not given)."""
+
+
+def join_error_message(address: str, e: BaseException) -> str:
+    msg = f"cannot join the Ray cluster at {address}: {e}"
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        msg += (" (a cluster with token authentication needs RAY_AUTH_MODE=token and its token, RAY_AUTH_TOKEN"
+                " or RAY_AUTH_TOKEN_PATH, in the trainer's environment)")
+    return msg
 
 
 class PlacementError(ValueError):

@@ -52,9 +52,9 @@ def _write_recipe(tmp: Path, steps: int, **extra: object) -> Path:
     return p
 
 
-def _train(recipe: Path, mark: str, ray_tmp: Path) -> subprocess.CompletedProcess:
+def _train(recipe: Path, mark: str, ray_tmp: Path, **env_extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"PYTHONPATH": str(ROOT), MARK: mark, "RAY_TMPDIR": str(ray_tmp)}
+    env |= {"PYTHONPATH": str(ROOT), MARK: mark, "RAY_TMPDIR": str(ray_tmp), **env_extra}
     return subprocess.run(
         [sys.executable, "-m", "tracegym.cli", "train", str(recipe)],
         cwd=ROOT, capture_output=True, text=True, timeout=400, env=env,
@@ -86,10 +86,11 @@ def _check_trained(run: Path, res: subprocess.CompletedProcess, steps: int) -> N
 
 
 def _session_worker_pids(ray_tmp: Path) -> dict[int, str]:
-    """Every Ray worker process a session under ``ray_tmp`` started (from its log file names: Ray writes
-    ``worker-<id>-<job>-<pid>.out``, beginning with ``:actor_name:<class>`` once it hosts an actor)."""
+    """Every Ray worker process a session under ``ray_tmp`` started (``RAY_TMPDIR/ray/session_*`` or
+    ``--temp-dir/session_*``), from its log file names: Ray writes ``logs/worker-<id>-<job>-<pid>.out``,
+    beginning with ``:actor_name:<class>`` once it hosts an actor."""
     out: dict[int, str] = {}
-    for f in ray_tmp.glob("session_*/logs/worker-*.out"):
+    for f in ray_tmp.rglob("worker-*.out"):
         head = f.read_text(errors="replace")[:200]
         m = re.search(r":actor_name:(\w+)", head)
         out[int(f.stem.rsplit("-", 1)[1])] = m.group(1) if m else ""
@@ -160,17 +161,19 @@ def test_two_ray_workers_train_swap_and_leave_nothing_behind(
 
 
 @contextmanager
-def ray_head(temp_dir: Path, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """A real one-node Ray cluster (``ray start --head --block``), on free ports and its own temp dir,
-    stopped by SIGTERM to that one ``ray start`` process (which stops its own processes; never ``ray
-    stop``, which stops every Ray of the user's on the machine)."""
+def ray_head(temp_dir: Path, log: Path, auth: dict[str, str]) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A real one-node Ray cluster (``ray start --head --block``), on free ports and its own temp dir, with
+    token authentication (``auth``: its own token, not the user's ``~/.ray/auth_token``), stopped by
+    SIGTERM to that one ``ray start`` process (which stops its own processes; never ``ray stop``, which
+    stops every Ray of the user's on the machine)."""
     port = free_port()
-    flags = ("ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-             "runtime-env-agent-port", "metrics-export-port", "node-manager-port", "object-manager-port")  # fmt: skip
+    # (no --ray-client-server-port: it needs ray[client], which the project does not install)
+    flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+             "metrics-export-port", "node-manager-port", "object-manager-port")  # fmt: skip
     argv = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
-            "--num-cpus=2", "--include-dashboard=false", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
+            "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp_dir}",
             "--disable-usage-stats", *(f"--{f}={free_port()}" for f in flags)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(ROOT), **auth}
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -205,17 +208,20 @@ def test_joined_to_a_running_cluster_the_trainer_leaves_it_running(
     cluster_tmp = ray_tmp / "cluster"
     own_tmp = ray_tmp / "own"  # where a Ray the trainer started would be: it must stay empty
     own_tmp.mkdir()
-    with ray_head(cluster_tmp, tmp_path / "ray-head.log") as (address, head):
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex + uuid.uuid4().hex}
+    with ray_head(cluster_tmp, tmp_path / "ray-head.log", auth) as (address, head):
         mark = uuid.uuid4().hex
         t0 = time.monotonic()
-        res = _train(_write_recipe(tmp_path, steps=1, ray={"address": address, "namespace": "tg-test"}), mark,
-                     own_tmp)  # fmt: skip
+        recipe = _write_recipe(tmp_path, steps=1, ray={"address": address, "namespace": "tg-test"})
+        res = _train(recipe, mark, own_tmp, **auth)
         print(f"tracegym train joined to a cluster, 2 Ray workers, 1 step: {time.monotonic() - t0:.1f} s")
         _check_trained(tmp_path / "run", res, steps=1)
-        assert not list(own_tmp.iterdir()), "the trainer started a Ray of its own"
+        assert f"ray: joined the cluster at {address}" in res.stderr
+        assert not list(own_tmp.rglob("session_*")), "the trainer started a Ray of its own"
         workers = _session_worker_pids(cluster_tmp)
         assert sorted(workers.values()).count("TrainWorker") == 2, workers  # both ranks ran on the cluster
         # the cluster is still up, and the trainer's actors (and its other processes) are gone from it
         assert head.poll() is None and _gcs_answers(address), "the trainer stopped a cluster it joined"
         trained = [pid for pid, actor in workers.items() if actor == "TrainWorker"]
         _none_left(mark, own_tmp, trained)
+    _none_left(mark, cluster_tmp, list(workers))  # and the test's own cluster is gone with its workers

@@ -156,3 +156,23 @@ def test_the_trainer_hands_the_ray_section_to_its_workers(
     (kw,) = seen
     assert kw["num_workers"] == workers and kw["use_ray"] is use_ray
     assert kw["ray_settings"] == RaySettings(**(ray or {}))
+
+
+def test_a_cluster_that_refuses_the_driver_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ray.init raises for a wrong address or a missing token (Ray 2.60: ConnectionError, the
+    authentication error as its cause), named with the address and, without RAY_AUTH_MODE=token, the hint."""
+    from tracegym.trainer.ray_cluster import JoinError
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    FakeRay(monkeypatch)  # its init raises ConnectionError("no cluster in a unit test")
+    with pytest.raises(JoinError) as err:
+        connect(RaySettings(address="head:6379"))
+    assert str(err.value).startswith("cannot join the Ray cluster at head:6379: no cluster in a unit test (a"
+                                     " cluster with token authentication needs RAY_AUTH_MODE=token")  # fmt: skip
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    with pytest.raises(JoinError, match=r"^cannot join the Ray cluster at head:6379: no cluster in a unit test$"):
+        connect(RaySettings(address="head:6379"))
+    with pytest.raises(ConnectionError) as plain:  # a local Ray that fails to start is not a join error
+        connect(RaySettings())
+    assert type(plain.value) is ConnectionError

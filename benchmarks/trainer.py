@@ -32,6 +32,7 @@ import torch
 from tracegym.trainer.batch import TrainBatch, TrainSample
 from tracegym.trainer.models import prepare_model
 from tracegym.trainer.optim import OptimSettings
+from tracegym.trainer.ray_cluster import RaySettings
 from tracegym.trainer.workers import TrainConfig, WorkerGroup, token_logprobs
 
 
@@ -107,7 +108,7 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> None:
 
         ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False)
         groups["workergroup_ray"] = WorkerGroup(
-            model_dir, num_workers=1, train_cfg=cfg, use_ray=True, cpus_per_worker=threads
+            model_dir, num_workers=1, train_cfg=cfg, use_ray=True, ray_settings=RaySettings(cpus_per_worker=threads)
         )
     wall: dict[str, list[float]] = {k: [] for k in ["bare", *groups]}
     cpu: dict[str, list[float]] = {k: [] for k in wall}

@@ -1,4 +1,5 @@
-"""docker-compose.yml: valid for `docker-compose config`, and every tracegym service runs a real CLI command."""
+"""docker-compose.yml (and its two-engines override): valid for `docker-compose config`, and every tracegym
+service runs a real CLI command."""
 
 from __future__ import annotations
 
@@ -14,21 +15,61 @@ from tracegym.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
+TWO_ENGINES = ROOT / "docker-compose.two-engines.yml"
 
 
 def _services() -> dict:
     return yaml.safe_load(COMPOSE.read_text())["services"]
 
 
-@pytest.mark.parametrize("profile", ["gpu", "cpu"])
-def test_compose_config_is_valid(profile: str) -> None:
+def _config(profile: str, *files: Path) -> subprocess.CompletedProcess:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.fail("docker-compose is not installed (.ci/run installs the Debian package)")
     env = {**os.environ, "TRACEGYM_ADMIN_KEY": "compose-test-key"}
-    res = subprocess.run([exe, "--profile", profile, "config", "-q"], cwd=ROOT, capture_output=True, text=True,
-                         env=env)
+    argv = [exe, *(a for f in files for a in ("-f", str(f))), "--profile", profile, "config"]
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_compose_config_is_valid(profile: str) -> None:
+    res = _config(profile)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("profile", ["gpu", "cpu"])
+def test_two_engines_override_is_valid_and_fronts_both_servers(profile: str) -> None:
+    res = _config(profile, COMPOSE, TWO_ENGINES)
+    assert res.returncode == 0, res.stderr
+    s = yaml.safe_load(res.stdout)["services"]
+    gw = s["gateway"]["command"]
+    assert [gw[i + 1] for i, a in enumerate(gw) if a == "--upstream"] == ["http://sglang:30000", "http://sglang-2:30000"]
+    args = build_parser().parse_args(gw)
+    assert args.command == "serve"
+    assert s["gateway"]["ports"] == ["127.0.0.1:8000:8000/tcp"] and not s["engine-2"].get("ports")
+    devices = {n: s[n]["deploy"]["resources"]["reservations"]["devices"] for n in ("sglang", "sglang-2")}
+    assert [d["device_ids"] for d in devices["sglang"]] == [["0"]]
+    assert [d["device_ids"] for d in devices["sglang-2"]] == [["1"]]  # its own GPU, not GPU 0 too
+    assert s["engine"]["networks"]["default"]["aliases"] == ["sglang"]
+    assert s["engine-2"]["networks"]["default"]["aliases"] == ["sglang-2"]  # not `sglang` as well
+
+
+def test_two_engines_second_servers_are_copies_of_the_first() -> None:
+    """The override writes its services out (``extends`` would merge lists): they must not drift from
+    docker-compose.yml's, apart from the GPU and the network name."""
+    base, two = yaml.safe_load(COMPOSE.read_text()), yaml.safe_load(TWO_ENGINES.read_text())
+    assert two["x-tracegym"] == base["x-tracegym"]
+    b, t = base["services"], two["services"]
+    assert set(t) == {"sglang-2", "engine-2", "gateway"} and set(t["gateway"]) == {"command"}
+    first, second = dict(b["sglang"]), dict(t["sglang-2"])
+    first.pop("deploy"), second.pop("deploy")
+    assert second == first
+    first, second = dict(b["engine"]), dict(t["engine-2"])
+    first.pop("networks"), second.pop("networks")
+    assert second == first
+    base_gw = b["gateway"]["command"]
+    i = base_gw.index("http://sglang:30000") + 1  # the same gateway, with the second server after the first
+    assert t["gateway"]["command"] == [*base_gw[:i], "--upstream", "http://sglang-2:30000", *base_gw[i:]]
 
 
 def test_compose_needs_an_admin_key_and_publishes_loopback_only() -> None:

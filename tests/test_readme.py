@@ -37,6 +37,8 @@ EXPENSIVE = {
     "createdb": "needs a PostgreSQL server (the store's tests run against one: tests/conftest.py pg_url)",
     "tracegym db upgrade --store postgresql": "needs a PostgreSQL server; its errors: tests/sdk/test_cli_errors.py",
     "docker compose": "needs Docker (tests/test_compose.py checks the file and its commands)",
+    "kubectl exec": "needs a Kubernetes cluster with KubeRay (joining a running Ray cluster: "
+    "tests/e2e/test_train_ray.py, slow)",
     "tracegym enqueue examples/": "the examples table: each framework example runs against tiny-random in "
     "tests/e2e/test_examples.py",
     "tracegym run examples/": "the examples table: each framework example runs against tiny-random in "

@@ -6,10 +6,11 @@ so the docstrings here are the documentation.
 
 from __future__ import annotations
 
+import re
 import sys
 import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -152,6 +153,41 @@ class UpstreamConfig(_Section):
     max_batch_size: int = Field(32, ge=1, description="Embedded engine: requests decoded together.")
 
 
+_RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
+
+
+class RayConfig(_Section):
+    """Where the trainer's Ray workers run (README: Training on a Ray cluster). A `ray` section runs the
+    workers as Ray actors, as `use_ray: true` does."""
+
+    address: str | None = Field(
+        None,
+        description="Join this running cluster: `HOST:PORT` of its head (GCS, port 6379 by default),"
+        " `ray://HOST:10001` (Ray Client) or `auto`; the trainer disconnects at the end and never stops it."
+        " Unset = start a local Ray (or join `RAY_ADDRESS` if set), stopped at the end.",
+    )
+    namespace: str | None = Field(None, description="Ray namespace of the trainer's job.")
+    runtime_env: dict[str, Any] = Field(
+        {}, description="Ray runtime environment of the job (`env_vars`, `pip`, `working_dir`...), passed as is."
+    )
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs each trainer worker reserves.")
+    gpus_per_worker: float = Field(
+        0.0, ge=0, description="GPUs each trainer worker reserves (1 = one GPU per FSDP2 rank, NCCL); 0 = CPU (gloo)."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is None or v == "auto":
+            return v
+        m = _RAY_ADDRESS.fullmatch(v)
+        if m is None or not 0 < int(m.group(3)) < 65536:
+            raise ValueError(
+                f"must be HOST:PORT (a cluster's head, e.g. 10.0.0.5:6379), ray://HOST:PORT or auto, got {v!r}"
+            )
+        return v
+
+
 class AdapterConfig(_Section):
     """One LoRA adapter's settings; unset fields take the `lora` section's values."""
 
@@ -234,6 +270,9 @@ class TrainRecipe(_Section):
     )
     workers: int = Field(1, ge=1, description="Trainer workers (Ray actors, one FSDP2 shard each).")
     use_ray: bool = Field(False, description="Run workers as Ray actors even with workers=1.")
+    ray: RayConfig | None = Field(
+        None, description="Run the workers on Ray: a local Ray, or join a cluster (`ray.address`)."
+    )
     eval_samples: int = Field(2, ge=1, description="Sampled rollouts per held-out task at each evaluation.")
     eval_interval: int = Field(
         20, ge=0, description="Evaluate on the held-out split every N steps (0 = only before and after)."

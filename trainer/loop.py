@@ -145,15 +145,22 @@ class Trainer:
             wandb_project=recipe.wandb_project,
             run_name=self.run_id,
         )
+        from tracegym.trainer.ray_cluster import JoinError, PlacementError, RaySettings
         from tracegym.trainer.weight_sync import DiskWeightSync  # torch/ray imported only here
         from tracegym.trainer.workers import WorkerGroup
 
-        self.workers = WorkerGroup(
-            model_dir,
-            num_workers=recipe.workers,
-            train_cfg=train_cfg,
-            use_ray=recipe.use_ray or recipe.workers > 1,
-        )
+        try:
+            self.workers = WorkerGroup(
+                model_dir,
+                num_workers=recipe.workers,
+                train_cfg=train_cfg,
+                use_ray=recipe.use_ray or recipe.workers > 1 or recipe.ray is not None,
+                ray_settings=RaySettings.from_recipe(recipe.ray),
+            )
+        except (PlacementError, JoinError) as e:  # one line, exit 2: the recipe's ray section or environment
+            raise RecipeError(str(e)) from None
+        if recipe.ray is not None and recipe.ray.address is not None:
+            print(f"ray: joined the cluster at {recipe.ray.address}", file=sys.stderr, flush=True)
         self.lora = getattr(train_cfg, "lora", None)
         # keep=1: once the engine has loaded a version, only the newest is needed (resume writes the
         # checkpoint's weights again), and it is the run's trained model

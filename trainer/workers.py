@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from tracegym.trainer.lora import activate, apply_lora, check_checkpoint_base, m
 from tracegym.trainer.losses import entropy_from_logits, loss_scales, policy_loss
 from tracegym.trainer.models import cpu_compute_dtype, recover_dir, replace_dir
 from tracegym.trainer.optim import build_optimizer, set_lr
+from tracegym.trainer.ray_cluster import RaySettings, check_fits, connect
 from tracegym.trainer.train_config import TrainConfig
 from tracegym.trainer.weight_sync import write_weights_dir
 
@@ -288,7 +290,8 @@ class WorkerGroup:
     without (only with ``num_workers=1``) the very same class runs in the calling process, so one worker
     needs no Ray at all (no cluster, no ``local_mode``). With one rank there is no process group and no
     sharding (``fsdp.shard_model``); everything else (batching, loss, clipping, AdamW, checkpoints,
-    weight export) is the same code."""
+    weight export) is the same code. ``ray_settings``: the cluster to start or join, and the CPUs and GPUs
+    each actor reserves (``ray_cluster``)."""
 
     def __init__(
         self,
@@ -297,7 +300,7 @@ class WorkerGroup:
         num_workers: int,
         train_cfg: TrainConfig,
         use_ray: bool = True,
-        cpus_per_worker: float = 1.0,
+        ray_settings: RaySettings | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -310,11 +313,12 @@ class WorkerGroup:
             if use_ray:
                 import ray
 
-                if not ray.is_initialized():
-                    ray.init(include_dashboard=False, log_to_driver=True)
-                    self._owns_ray = True
-                gpus = 1 if (train_cfg.device or "").startswith("cuda") else 0
-                actor = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus)(TrainWorker)
+                rs = ray_settings or RaySettings()
+                if not rs.gpus_per_worker and (train_cfg.device or "").startswith("cuda"):
+                    rs = replace(rs, gpus_per_worker=1.0)  # a CUDA rank needs a GPU of its own
+                self._owns_ray = connect(rs)
+                check_fits(num_workers, rs, started_here=self._owns_ray)
+                actor = ray.remote(num_cpus=rs.cpus_per_worker, num_gpus=rs.gpus_per_worker)(TrainWorker)
                 for r in range(num_workers):  # appended one by one: a failure kills the ones made
                     self._workers.append(actor.remote(str(model_path), train_cfg, r, num_workers))
                 addr, port = ray.get(self._workers[0].address.remote())
@@ -430,8 +434,9 @@ class WorkerGroup:
         return self._same("run", fn, *args)
 
     def shutdown(self) -> None:
-        """Close every rank, kill the actors and stop a Ray this group started; best effort (a dead or
-        half-set-up actor does not keep the others, or Ray, alive). Safe to call twice."""
+        """Close every rank, kill the actors and stop a Ray this group started (a joined cluster is only
+        disconnected from: ``ray_cluster.connect``); best effort (a dead or half-set-up actor does not
+        keep the others, or Ray, alive). Safe to call twice."""
         workers, self._workers = self._workers, []
         try:
             if not self.use_ray:

@@ -72,3 +72,31 @@ def test_store_and_run_dir_paths_are_relative_to_the_recipe(
     assert r.store == "sqlite:///{run_dir}/tracegym.db"
     with pytest.raises(RecipeError, match="may only be the last part of run_dir"):
         load_recipe(_recipe(tmp_path / "exp", run_dir="runs/{timestamp}/x"))
+
+
+def test_the_ray_section(tmp_path: Path) -> None:
+    r = load_recipe(_recipe(tmp_path, ray={"address": "10.0.0.5:6379", "namespace": "exp", "gpus_per_worker": 1,
+                                           "runtime_env": {"env_vars": {"HF_HOME": "/cache"}}}))  # fmt: skip
+    assert r.ray is not None and r.ray.address == "10.0.0.5:6379" and r.ray.namespace == "exp"
+    assert r.ray.runtime_env == {"env_vars": {"HF_HOME": "/cache"}} and r.ray.gpus_per_worker == 1
+    assert r.ray.cpus_per_worker == 1.0
+    assert load_recipe(_recipe(tmp_path)).ray is None  # unset: today's local Ray, only with workers > 1
+    for ok in ("auto", "head:6379", "ray://raycluster-head-svc.default.svc:10001", "[::1]:6379"):
+        assert load_recipe(_recipe(tmp_path, ray={"address": ok})).ray.address == ok
+    p = tmp_path / "recipe.yaml"
+    for bad in ("10.0.0.5", "http://head:8265", "head:0", "head:99999", "head:port", ""):
+        with pytest.raises(RecipeError) as err:
+            load_recipe(_recipe(tmp_path, ray={"address": bad}))
+        assert str(err.value) == (
+            f"{p}: invalid recipe: ray.address: Value error, must be HOST:PORT (a cluster's head, e.g."
+            f" 10.0.0.5:6379), ray://HOST:PORT or auto, got {bad!r}"
+        ), bad
+    with pytest.raises(RecipeError) as err:
+        load_recipe(_recipe(tmp_path, ray={"adress": "head:6379"}))
+    assert str(err.value) == f"{p}: invalid recipe: ray.adress: unknown field; did you mean 'address'?"
+    with pytest.raises(RecipeError, match=r"ray.cpus_per_worker: Input should be greater than 0"):
+        load_recipe(_recipe(tmp_path, ray={"cpus_per_worker": 0}))
+    with pytest.raises(RecipeError, match=r"ray.gpus_per_worker: Input should be greater than or equal to 0"):
+        load_recipe(_recipe(tmp_path, ray={"gpus_per_worker": -1}))
+    with pytest.raises(RecipeError, match=r"ray.runtime_env: Input should be a valid dictionary"):
+        load_recipe(_recipe(tmp_path, ray={"runtime_env": ["pip"]}))

@@ -100,3 +100,14 @@ def test_the_ray_section(tmp_path: Path) -> None:
         load_recipe(_recipe(tmp_path, ray={"gpus_per_worker": -1}))
     with pytest.raises(RecipeError, match=r"ray.runtime_env: Input should be a valid dictionary"):
         load_recipe(_recipe(tmp_path, ray={"runtime_env": ["pip"]}))
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*/recipe*.yaml")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_example_recipe_loads_and_checks(path: Path) -> None:
+    from tracegym.trainer.loop import check_recipe
+
+    recipe = load_recipe(path)
+    assert recipe.data.path.is_file()
+    cfg = check_recipe(recipe)
+    assert (cfg.lora is not None) == (recipe.lora is not None)

@@ -134,7 +134,7 @@ class OptimConfig(_Section):
         4096, ge=64, description="Token budget of one forward/backward micro-batch."
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="Training compute dtype (bf16 autocast; master weights fp32; fp32 on a CPU without fast bf16)."
+        "bfloat16", description="Training compute dtype (bf16 autocast; master weights fp32; fp32 on a CPU where bf16 is slower)."
     )
 
 
@@ -148,7 +148,7 @@ class UpstreamConfig(_Section):
     engines: int = Field(1, ge=1, description="Embedded engines to start when `url` is unset (a fleet of N).")
     kind: Literal["sglang", "openai", "litellm"] = "sglang"
     engine_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="Embedded engine compute dtype (fp32 on a CPU without fast bf16), and the dtype of the weight files each swap pushes."
+        "bfloat16", description="Embedded engine compute dtype (fp32 on a CPU where bf16 is slower), and the dtype of the weight files each swap pushes."
     )
     max_batch_size: int = Field(32, ge=1, description="Embedded engine: requests decoded together.")
 

@@ -377,46 +377,60 @@ def resolve_dtype(dtype: str | None, device: str) -> Any:
 
 
 def cpu_compute_dtype(dtype: Any) -> Any:
-    """``dtype`` for compute on this machine's CPU: bf16 becomes fp32 where the CPU has no fast bf16
-    matrix products. Measured: on an AVX2-only CPU (no AVX-512) a 2048² bf16 matmul took 66 s against
-    0.11 s in fp32, which turned a quickstart step's training from ~2 s into ~100 s; on an AVX512-BF16
-    Xeon bf16 runs at 0.6-1.6x the fp32 time. Results stay correct in fp32, only bf16's memory saving
-    is lost."""
+    """``dtype`` for compute on this machine's CPU: bf16 becomes fp32 where bf16 runs a transformer slower
+    than fp32 (``cpu_bf16_is_fast``). Measured: on an AVX2-only CPU a 2048² bf16 matmul took 66 s against
+    0.11 s in fp32, which turned a quickstart step's training from ~2 s into ~100 s; on an AVX512-BF16 Xeon
+    without AMX, SmolLM2's decode steps took 1.3-16x longer in bf16 (the quickstart's evaluation 112 s
+    instead of ~10 s). Results stay correct in fp32, only bf16's memory saving is lost."""
     import torch
 
     if dtype is torch.bfloat16 and not cpu_bf16_is_fast():
-        log.warning("this CPU has no fast bfloat16 matrix products (oneDNN needs AVX-512): computing in float32")
+        log.warning("this CPU runs bfloat16 slower than float32 (bf16/fp32 time %.2f on a small Llama): "
+                    "computing in float32", bf16_slowdown())
         return torch.float32
     return dtype
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_bf16_is_fast() -> bool:
-    """Whether torch's CPU kernels multiply bf16 through oneDNN (AVX-512 or better) rather than a scalar
-    fallback; where torch cannot tell, a 512² bf16 matmul may take at most 4x the fp32 one."""
+    """Whether bf16 runs a transformer at least as fast as fp32 on this CPU: never without oneDNN's bf16
+    kernels (they need AVX-512; torch's fallback is tens of times slower), else timed (``bf16_slowdown``)."""
     import torch
 
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
     except (AttributeError, RuntimeError):
-        return bf16_slowdown() <= 4.0
+        pass
+    return bf16_slowdown() <= 1.0
 
 
-def bf16_slowdown(n: int = 512) -> float:
-    """How many times slower an ``n``² bf16 matmul is than an fp32 one on this CPU."""
+@functools.lru_cache(maxsize=1)
+def bf16_slowdown() -> float:
+    """bf16 time / fp32 time of forwards through a small random Llama (SmolLM2's widths, 2 layers) at the
+    shapes an engine and a trainer run: one-token decode steps of 1 and 16 rows and a 16 x 40 prefill.
+    Timed once per process (~1 s); where the CPU has AMX, bf16 wins, where it has only AVX-512 or AVX2, it
+    loses."""
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    a = torch.randn(n, n)
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=4096, max_position_embeddings=256)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(0, cfg.vocab_size, shape, generator=gen) for shape in ((1, 1), (16, 1), (16, 40))]
 
-    def timed(dt: Any) -> float:
-        x = a.to(dt)
-        x @ x  # warm-up
-        t0 = time.perf_counter()
-        for _ in range(3):
-            x @ x
-        return time.perf_counter() - t0
+    def timed(model: Any) -> float:
+        with torch.inference_mode():
+            for ids in inputs:  # warm-up
+                model(input_ids=ids, logits_to_keep=1)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                for ids in inputs:
+                    model(input_ids=ids, logits_to_keep=1)
+            return time.perf_counter() - t0
 
-    return timed(torch.bfloat16) / max(timed(torch.float32), 1e-9)
+    model = LlamaForCausalLM(cfg).eval()
+    fp32 = timed(model)
+    return timed(model.to(torch.bfloat16)) / max(fp32, 1e-9)
 
 
 def load_model(path: str | Path, *, device: str = "cpu", dtype: Any = None) -> Any:

@@ -308,23 +308,12 @@ def weight_update_group(
     timeout_s: float = 600.0,
 ) -> Any:
     """The trainer's side (rank 0) of the weight-update group the engine joins in
-    ``/init_weights_update_group``: a second, independent process group next to the trainer's own,
-    built the way SGLang builds its side (``init_custom_process_group``: TCP rendezvous, store prefixed
-    with the group name, torch's private ``_new_process_group_helper``)."""
-    from datetime import timedelta
+    ``/init_weights_update_group`` (the embedded engine with ``join_weight_update_group`` too, SGLang with
+    its ``init_custom_process_group``, which builds it the same way): a second, independent process group
+    next to the trainer's own."""
+    from tracegym.trainer.engine.dist_weights import join_weight_update_group
 
-    from torch.distributed import distributed_c10d as c10d
-    from torch.distributed.rendezvous import rendezvous
-
-    timeout = timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    store, rank, size = next(rendezvous(url, 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = c10d._new_process_group_helper(
-        size, rank, [], backend, c10d.PrefixStore(group_name, store), group_name=group_name, timeout=timeout
-    )
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(size)}
-    return pg
+    return join_weight_update_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
 
 
 def group_broadcast(pg: Any, device: str) -> Callable[[list[torch.Tensor]], None]:

@@ -9,7 +9,9 @@ broadcasts each one only once the gateway has cued it, in order, and that it con
 parameter even when the swap fails. There the "broadcast" tells the fake a bucket was sent; it is no
 collective. Then one real gloo broadcast: a ``WorkerGroup`` pushes through the gateway to
 ``weight_receiver.py``, a stand-in that joins the group as SGLang does and receives what is announced.
-Not exercised here: NCCL, GPUs, and SGLang's own receiving code."""
+The embedded engine as the receiver: ``tests/trainer/engine/test_dist_weights.py`` and
+``tests/e2e/test_distributed_swap.py``. Not exercised anywhere: NCCL, GPUs, and SGLang's own receiving
+code."""
 
 from __future__ import annotations
 

@@ -4,6 +4,10 @@ coordinator posts, joins the weight-update group the way SGLang's ``init_custom_
 (read from its source) as rank ``rank_offset``, and in ``/update_weights_from_distributed`` receives one
 ``dist.broadcast(src=0)`` per announced tensor, in order, like SGLang's handler.
 
+The product's receiver is the embedded engine (``trainer/engine/dist_weights.py``; end to end in
+``tests/e2e/test_distributed_swap.py``). This stand-in stays for the fast test because it records what
+the engine is asked (the exact route sequence) and what arrived (per-tensor sums), which no engine reports.
+
     python -m tests.trainer.weight_receiver --port N
 
 ``GET /debug/weights`` lists what arrived: ``{name: {"dtype", "shape", "sum"}}`` and the paths posted."""

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from tracegym.trainer.engine.dist_weights import Bucket, GroupRequest
 from tracegym.trainer.engine.lora import load_response
 from tracegym.trainer.engine.protocol import parse_generate
 from tracegym.trainer.engine.runtime import Engine
@@ -145,6 +146,93 @@ async def update_weights_from_disk(request: Request, engine: EngineDep) -> JSONR
     return JSONResponse(
         {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": aborted}
     )
+
+
+def _done(message: str) -> JSONResponse:
+    return JSONResponse({"success": True, "message": message})
+
+
+def _failed(message: str) -> JSONResponse:
+    return JSONResponse({"success": False, "message": message}, status_code=400)
+
+
+@router.post("/init_weights_update_group", dependencies=Keyed)
+async def init_weights_update_group(request: Request, engine: EngineDep) -> JSONResponse:
+    """Blocks (off the event loop) until every rank of the group has joined the rendezvous."""
+    try:
+        req = GroupRequest.parse(await _json_body(request))
+        await engine.dist.init_group(req)
+    except Exception as e:  # a bad body, or torch's rendezvous timing out or refusing: reported, not raised
+        log.warning("init_weights_update_group failed: %s", e)
+        return _failed(f"Failed to init group: {e}")
+    log.info("joined weight-update group %s as rank %d of %d (%s)", req.group_name, req.rank_offset,
+             req.world_size, req.backend)
+    return _done("Succeeded to initialize custom process group.")
+
+
+@router.post("/update_weights_from_distributed", dependencies=Keyed)
+async def update_weights_from_distributed(request: Request, engine: EngineDep) -> JSONResponse:
+    try:
+        bucket = Bucket.parse(await _json_body(request))
+    except ValueError as e:
+        return _failed(str(e))
+    try:
+        await engine.update_from_distributed(bucket)
+    except Exception as e:  # a refused or failed bucket: the old weights keep serving
+        log.warning("update_weights_from_distributed failed: %s", e)
+        return _failed(f"Failed to update parameter online: {e}")
+    staged = engine.dist.session is not None
+    return _done(f"Succeeded to {'receive' if staged else 'update'} {len(bucket.names)} tensor(s).")
+
+
+@router.post("/begin_weight_update", dependencies=Keyed)
+async def begin_weight_update(request: Request, engine: EngineDep) -> JSONResponse:
+    try:
+        await _json_body(request, required=False)  # ``selector``: one model here, so always "all"
+    except ValueError as e:
+        return _failed(str(e))
+    engine.dist.begin()
+    return _done("Weight update begun.")
+
+
+@router.post("/end_weight_update", dependencies=Keyed)
+async def end_weight_update(request: Request, engine: EngineDep) -> JSONResponse:
+    """Applies what the session received (see ``dist_weights``); ``weight_version`` may also come here."""
+    try:
+        body = await _json_body(request, required=False)
+        version = body.get("weight_version")
+        await engine.end_weight_update(None if version is None else str(version))
+    except Exception as e:
+        log.warning("end_weight_update failed: %s", e)
+        return _failed(f"Failed to end weight update: {e}")
+    log.info("distributed weight update applied (weight_version=%s)", engine.scheduler.weight_version)
+    return _done("Weight update ended.")
+
+
+@router.post("/destroy_weights_update_group", dependencies=Keyed)
+async def destroy_weights_update_group(request: Request, engine: EngineDep) -> JSONResponse:
+    try:
+        body = await _json_body(request, required=False)
+        await engine.dist.destroy(str(body.get("group_name") or "weight_update_group"))
+    except ValueError as e:
+        return _failed(str(e))
+    return _done("Succeeded to destroy custom process group.")
+
+
+@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name(request: Request, engine: EngineDep) -> JSONResponse:
+    """SGLang's ``{name, truncate_size=100}``: the parameter's first values, flattened (for checks)."""
+    try:
+        body = dict(request.query_params) if request.method == "GET" else await _json_body(request)
+        name, size = body.get("name"), int(body.get("truncate_size", 100))
+        params = dict(engine.model.named_parameters(remove_duplicate=False))
+        if name not in params:
+            raise ValueError(f"no parameter named {name!r}")
+    except ValueError as e:
+        return _error(str(e))
+    values = await asyncio.wrap_future(
+        engine.scheduler.call(lambda: params[name].detach().flatten()[:size].float().cpu().tolist()))
+    return JSONResponse(values)
 
 
 @router.post("/load_lora_adapter", dependencies=Keyed)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from tracegym.trainer.engine.dist_weights import Bucket, DistWeights
 from tracegym.trainer.engine.lora import EngineLora, read_adapter
 from tracegym.trainer.engine.protocol import GenerateOptions, RequestSpec
 from tracegym.trainer.engine.request import GenRequest, Snapshot
@@ -85,6 +86,7 @@ class Engine:
             autocast_dtype=dtype if cpu_autocast else None,
         )
         self.weight_lock = asyncio.Lock()
+        self.dist = DistWeights(self.model, self.device)
         self.lora = EngineLora(self.model, dtype)  # adapters in the compute dtype (autocast's on CPU)
         self.scheduler.row_hook = lambda reqs: self.lora.set_rows([r.adapter for r in reqs])
 
@@ -107,6 +109,29 @@ class Engine:
             aborted = await asyncio.wrap_future(self.scheduler.update_weights(state, version, abort_all))
             self.model_path = path
         return aborted
+
+    async def update_from_distributed(self, bucket: Bucket) -> int:
+        """SGLang's ``/update_weights_from_distributed``: receive and check one bucket; inside
+        begin…end stage it (0 returned), else swap it in now like a disk load. Raises (old weights kept)."""
+        tensors = await self.dist.receive(bucket)
+        if self.dist.session is not None:
+            self.dist.stage(tensors, bucket)
+            return 0
+        async with self.weight_lock:
+            return await asyncio.wrap_future(
+                self.scheduler.update_weights(tensors, bucket.weight_version, bucket.abort_all_requests))
+
+    async def end_weight_update(self, version: str | None) -> int:
+        """SGLang 0.5.23's ``/end_weight_update``: every staged tensor replaces its parameter in one swap,
+        stamped with the version (the last bucket's, or ``version``). Raises if a bucket failed."""
+        session = self.dist.end(version)
+        async with self.weight_lock:
+            if not session.staged:
+                if session.version is not None:
+                    await self.set_weight_version(session.version)
+                return 0
+            return await asyncio.wrap_future(
+                self.scheduler.update_weights(session.staged, session.version, session.abort_all))
 
     def check_adapters(self, specs: list[RequestSpec]) -> None:
         """A ``lora_path`` naming no loaded adapter is a ValueError (HTTP 400)."""

@@ -21,7 +21,9 @@ Distributed weight updates (SGLang ≥ 0.5.23's routes; ``--no-weight-session`` 
 succeeds at once, ``/flush_cache`` fails while generations run unpaused, and
 ``/update_weights_from_distributed`` refuses outside a begin…end session, then waits (10 s at most) for
 the test's stand-in of the trainer's broadcast, ``POST /debug/broadcast {"names"}``, as SGLang returns
-only after receiving. A bucket with a name containing ``fail`` is refused after it was received.
+only after receiving. A bucket with a name containing ``fail`` is refused after it was received, and so is
+one whose broadcast names differ from the body's. ``--staged`` applies a session's version only at its
+end and honours ``{"discard": true}`` there, as the embedded engine does.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Fake:
         self.inflight = 0
         self.broadcasts: asyncio.Queue[list[str]] = asyncio.Queue()
         self.in_session = False
+        self.staged_version: str | None = None
+        """With ``--staged``: the version a session's buckets carry, applied at its end unless discarded."""
 
     def reply_for(self, input_ids: list[int]) -> tuple[list[int], list[str]]:
         """``(ids, token texts)`` of the reply to this prompt (``--reply-when``, else ``--reply``)."""
@@ -214,8 +218,12 @@ class Fake:
             if self.inflight and self.resumed.is_set():
                 return web.Response(text="Cache not flushed: requests are running", status=400)
             return web.Response(text="Cache flushed.")
-        if path in ("/begin_weight_update", "/end_weight_update"):
-            self.in_session = path == "/begin_weight_update"
+        if path == "/begin_weight_update":
+            self.in_session, self.staged_version = True, None
+        elif path == "/end_weight_update":
+            if self.args.staged and not body.get("discard") and self.staged_version is not None:
+                self.version = self.staged_version
+            self.in_session, self.staged_version = False, None
         elif path == "/update_weights_from_distributed":
             if not self.in_session and not self.args.no_weight_session:
                 return web.json_response({"success": False, "message": "not inside begin_weight_update"}, status=400)
@@ -226,7 +234,10 @@ class Fake:
             if names != body.get("names") or any("fail" in n for n in names):
                 return web.json_response({"success": False, "message": f"failed to load {names}"}, status=400)
             if body.get("weight_version") is not None:
-                self.version = str(body["weight_version"])
+                if self.args.staged and self.in_session:
+                    self.staged_version = str(body["weight_version"])
+                else:
+                    self.version = str(body["weight_version"])
         return web.json_response({"success": True, "message": "ok"})
 
     async def broadcast(self, request: web.Request) -> web.Response:
@@ -238,6 +249,7 @@ class Fake:
             "model_path": self.args.tokenizer or "fake", "served_model_name": self.args.model_name,
             "tokenizer_path": self.args.tokenizer, "is_generation": True,
             "weight_version": self.version,
+            **({"staged_weight_updates": True} if self.args.staged else {}),
         })
 
     async def health(self, _: web.Request) -> web.Response:
@@ -292,6 +304,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-delay", type=float, default=0.0)
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token (pausable)")
     p.add_argument("--record", action="store_true", help="keep received requests for GET /debug")
+    p.add_argument("--staged", action="store_true",
+                   help="stage a session's buckets until /end_weight_update, which {\"discard\": true} drops "
+                        "(the embedded engine's behaviour, model_info's staged_weight_updates)")
     p.add_argument("--no-weight-session", action="store_true", help="no begin/end_weight_update (SGLang < 0.5.23)")
     return p.parse_args(argv)
 

@@ -10,6 +10,9 @@ Where this departs from SGLang, on purpose:
 - Inside begin…end the received buckets are **staged** and the model's parameters are replaced only at
   ``/end_weight_update``, all at once through the same swap as ``/update_weights_from_disk`` (so a
   failed or partial update leaves the old weights serving, and the weight version changes with them).
+  ``/end_weight_update {"discard": true}`` closes a session without applying it, so a gateway can keep a
+  fleet all or none when a bucket failed on another engine (``/model_info`` says
+  ``staged_weight_updates: true``).
   SGLang loads each bucket into the model as it arrives. The cost is one copy of the updated parameters
   in memory until the end.
 - Outside a session (SGLang ≤ 0.5.15 callers, which have no begin/end) each call applies its own bucket
@@ -236,6 +239,12 @@ class DistWeights:
         self.session.staged.update(tensors)
         self.session.version = bucket.weight_version or self.session.version
         self.session.abort_all = self.session.abort_all or bucket.abort_all_requests
+
+    def discard(self) -> int:
+        """Close the session applying nothing (another engine of the fleet failed a bucket); how many
+        staged tensors were dropped. No session open is not an error: there is nothing to apply."""
+        session, self.session = self.session, None
+        return 0 if session is None else len(session.staged)
 
     def end(self, version: str | None) -> _Session:
         """Close the session; raises (nothing to apply) if none is open or a bucket of it failed."""

@@ -197,9 +197,15 @@ async def begin_weight_update(request: Request, engine: EngineDep) -> JSONRespon
 
 @router.post("/end_weight_update", dependencies=Keyed)
 async def end_weight_update(request: Request, engine: EngineDep) -> JSONResponse:
-    """Applies what the session received (see ``dist_weights``); ``weight_version`` may also come here."""
+    """Applies what the session received (see ``dist_weights``); ``weight_version`` may also come here.
+    ``{"discard": true}`` (not SGLang's: a gateway sends it only to engines whose ``/model_info`` says
+    ``staged_weight_updates``) closes the session applying nothing, after a bucket failed elsewhere."""
     try:
         body = await _json_body(request, required=False)
+        if body.get("discard") is True:  # our extension (model_info's staged_weight_updates)
+            dropped = engine.dist.discard()
+            log.info("distributed weight update discarded (%d staged tensor(s))", dropped)
+            return _done(f"Weight update discarded: {dropped} staged tensor(s) dropped, nothing applied.")
         version = body.get("weight_version")
         await engine.end_weight_update(None if version is None else str(version))
     except Exception as e:
@@ -337,6 +343,8 @@ async def model_info(engine: EngineDep) -> JSONResponse:
             "has_audio_understanding": False,
             "model_type": getattr(engine.model.config, "model_type", None),
             "architectures": getattr(engine.model.config, "architectures", None),
+            # ours: a distributed update's buckets wait for /end_weight_update, which can discard them
+            "staged_weight_updates": True,
         }
     )
 

@@ -78,6 +78,9 @@ class Engine:
     weight_version: str | None = None
     error: str | None = None
     checked_at: float | None = None
+    staged: bool = False
+    """It stages a distributed update's buckets until ``/end_weight_update`` and can discard them
+    (``/model_info``'s ``staged_weight_updates``, the embedded engine's extension; see ``fleet_swap``)."""
     key: bytes = field(default=b"")
 
     def __post_init__(self) -> None:
@@ -161,6 +164,7 @@ class UpstreamFleet(Upstream):
             e.healthy, e.error, e.checked_at = False, _describe(err), time.time()
             return None
         e.model, e.model_path, e.weight_version = info.served_model_name, info.model_path, info.weight_version
+        e.staged = info.raw.get("staged_weight_updates") is True
         e.healthy, e.error, e.checked_at = True, None, time.time()
         return info
 

@@ -13,15 +13,21 @@ once) and ``FleetControl.post`` (each step on every engine of the rotation, in p
 - distributed: one process group holds every engine (``/init_weights_update_group`` gives engine ``i``
   ranks from ``rank_offset + i * (world_size - rank_offset) / N``: the trainer's world size counts all
   engines' ranks); each bucket is received by every engine in parallel, as the trainer's one broadcast
-  reaches them all. There is no rollback (as for one engine): a swap that fails on any engine is
-  reported failed, the fleet's version stays, and engines that loaded buckets hold them until the
-  trainer pushes again. After a distributed swap no directory holds the fleet's weights, so an engine
-  that missed it cannot rejoin until the next disk swap (``GET /api/upstreams`` says so)."""
+  reaches them all. Inside ``/begin_weight_update`` … ``/end_weight_update`` the fleet's version moves
+  only when every engine ended the session well. When a bucket failed on any engine, the session ends
+  all or none: an engine that stages a session's buckets (it says ``staged_weight_updates: true`` in
+  ``/model_info``, as the embedded engine does) gets ``{"discard": true}`` and keeps its weights
+  untouched; one that loads buckets as they come (SGLang) ends the session and loads its previous
+  weights from disk, as after a refused disk load (or leaves the rotation when no directory holds
+  them). An engine that applied its session while another failed to is rolled back the same way.
+  After a distributed swap no directory holds the fleet's weights, so an engine that missed it cannot
+  rejoin until the next disk swap (``GET /api/upstreams`` says so)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tracegym.gateway.errors import OpenAIError
@@ -77,6 +83,8 @@ class FleetControl:
         """The engines the running swap paused (None between swaps)."""
         self.original = True
         """The engines serve the weights they started with (no swap has succeeded yet)."""
+        self.session: _Session | None = None
+        """The distributed update between ``/begin_weight_update`` and ``/end_weight_update``."""
 
     async def post(self, path: str, body: dict[str, Any]) -> Result:
         if path == "/pause_generation":
@@ -88,6 +96,8 @@ class FleetControl:
             return 503, {"success": False, "message": "no upstream engine is available"}
         if path == LOAD:
             return await self._load(engines, body)
+        if path == "/end_weight_update":
+            return await self._end(engines, body)
         if path == "/init_weights_update_group":
             bodies = _group_bodies(body, len(engines))
             if bodies is None:
@@ -96,10 +106,46 @@ class FleetControl:
         else:
             bodies = [body] * len(engines)
         results = await self._each(engines, path, bodies)
-        if path == "/update_weights_from_distributed" and body.get("weight_version") is not None \
-                and all(_ok(s, b) for _, s, b in results):
-            self._moved(engines, str(body["weight_version"]), None)
+        if path == "/begin_weight_update":
+            self.session = _Session() if all(_ok(s, b) for _, s, b in results) else None
+        elif path == "/update_weights_from_distributed":
+            self._received(engines, results, body.get("weight_version"))
         return _merge(path, results)
+
+    def _received(self, engines: list[Engine], results: list[tuple[Engine, int, dict[str, Any]]],
+                  version: Any) -> None:
+        """A bucket on every engine: inside a session the version waits for its end; outside one (a
+        server without sessions) each bucket is loaded on receipt, so the last one moves the version."""
+        ok = all(_ok(s, b) for _, s, b in results)
+        if self.session is not None:
+            self.session.failed = self.session.failed or not ok
+            if version is not None:
+                self.session.version = str(version)
+        elif ok and version is not None:
+            self._moved(engines, str(version), None)
+
+    async def _end(self, engines: list[Engine], body: dict[str, Any]) -> Result:
+        """``/end_weight_update`` on every engine, all or none (the module's docstring)."""
+        session, self.session = self.session, None
+        failed = bool(body.get("discard")) or (session is not None and session.failed)
+        if not failed:
+            results = await self._each(engines, "/end_weight_update", [body] * len(engines))
+            bad = [e for e, s, b in results if not _ok(s, b)]
+            if not bad:
+                if session is not None and session.version is not None:
+                    self._moved(engines, session.version, None)
+                return _merge("/end_weight_update", results)
+            applied = [e for e, s, b in results if _ok(s, b)]
+            rolled = await self._roll_back(applied)
+            status, answer = _merge("/end_weight_update", results)
+            return status, {**answer, "message": answer["message"] + rolled}
+        plain = {k: v for k, v in body.items() if k != "discard"}
+        results = await self._each(engines, "/end_weight_update",
+                                   [{**plain, "discard": True} if e.staged else plain for e in engines])
+        kept = [e.url for e, s, b in results if e.staged and _ok(s, b)]
+        rolled = await self._roll_back([e for e, s, b in results if e.healthy and not (e.staged and _ok(s, b))])
+        notes = ([f"nothing applied on {kept} (staged, discarded)"] if kept else []) + ([rolled[2:]] if rolled else [])
+        return 200, {"success": True, "engines": _per_engine(results), "message": "; ".join(notes)}
 
     async def _each(self, engines: list[Engine], path: str, bodies: list[dict[str, Any]]
                     ) -> list[tuple[Engine, int, dict[str, Any]]]:
@@ -195,6 +241,14 @@ class FleetControl:
         log.info("upstream %s caught up with the fleet's weights (%s, version %s)", e.url, path,
                  fleet.weight_version)
         return True
+
+
+@dataclass
+class _Session:
+    version: str | None = None
+    """The version the session's last bucket carries."""
+    failed: bool = False
+    """A bucket failed on some engine."""
 
 
 def _group_bodies(body: dict[str, Any], n: int) -> list[dict[str, Any]] | None:

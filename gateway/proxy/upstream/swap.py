@@ -22,8 +22,10 @@ distributed updates outside it; a 404 is an older server without such sessions, 
 {names, dtypes, shapes, group_name, flush_cache: false}``, which returns once SGLang has received and
 loaded the bucket → ``/end_weight_update`` whenever begin succeeded → continue → release → record.
 The version is stamped once, with the last bucket, so the engine labels no half-loaded weights with it.
-Unlike the disk load there is no rollback: a failure after some buckets leaves those loaded under the
-old label; the swap reports failure and the trainer pushes the whole model again."""
+After a failed bucket the session ends with ``{"discard": true}``: the fleet (``fleet_swap``) makes that
+all or none, per engine (an engine that stages the buckets drops them; one that loaded them as they came,
+as SGLang does, loads its previous weights from disk or leaves the rotation); the swap reports failure and
+the trainer pushes the whole model again."""
 
 from __future__ import annotations
 
@@ -313,7 +315,12 @@ class SwapCoordinator:
                     if status >= 400 or body.get("success") is False:
                         raise _StepFailed(f"update_weights_from_distributed, bucket {i + 1} of {n}: "
                                           f"{_message(body) or f'HTTP {status}'}")
-            except BaseException as e:
+            except Exception as e:
+                note = await self._end_session(failing=e) if session else ""
+                if note:
+                    raise _StepFailed(f"{e}; {note}") from e
+                raise
+            except BaseException as e:  # cancelled: close the session all the same
                 if session:
                     await self._end_session(failing=e)
                 raise
@@ -330,14 +337,19 @@ class SwapCoordinator:
                 await asyncio.sleep(self.flush_interval_s)
         raise _StepFailed(f"flush_cache did not succeed in {self.flush_retries} tries: {_message(body)}")
 
-    async def _end_session(self, failing: BaseException | None) -> None:
-        status, body = await self.upstream.post_control("/end_weight_update", {})
+    async def _end_session(self, failing: BaseException | None) -> str:
+        """``/end_weight_update``; after a failure it asks to discard what was received (``discard``,
+        which the fleet sends only to engines that stage updates, see ``fleet_swap``) and returns what
+        became of the engines' weights."""
+        status, body = await self.upstream.post_control("/end_weight_update",
+                                                        {} if failing is None else {"discard": True})
         if status < 400 and body.get("success") is not False:
-            return
+            return "" if failing is None else _message(body)
         msg = f"end_weight_update: {_message(body) or f'HTTP {status}'}"
         if failing is None:
             raise _StepFailed(msg)
         log.warning("%s (after: %s)", msg, failing)
+        return msg
 
     # --- shared ---------------------------------------------------------------------------------
     @asynccontextmanager

@@ -113,3 +113,18 @@ def test_staged_buckets_replace_the_weights_only_at_end(engine, perturbed, tiny_
     name, want = perturbed[-1]
     got = c.post("/get_weights_by_name", json={"name": name, "truncate_size": 5}).json()
     assert got == pytest.approx(want.flatten()[:5].tolist())
+
+
+def test_a_discarded_session_applies_nothing(engine, perturbed) -> None:
+    """What a gateway sends when a bucket failed on another engine of its fleet (model_info says the
+    engine stages updates): every bucket was received well, and still nothing is applied."""
+    c, pg = engine
+    assert c.get("/model_info").json()["staged_weight_updates"] is True
+    before = logprobs(c)
+    assert c.post("/begin_weight_update", json={}).json()["success"]
+    r = push(c, pg, [n for n, _ in perturbed], [t for _, t in perturbed], weight_version="v-discarded")
+    assert r.status_code == 200 and r.json()["success"], r.text
+    r = c.post("/end_weight_update", json={"discard": True})
+    assert r.status_code == 200 and r.json()["success"] and f"{len(perturbed)} staged" in r.text, r.text
+    assert logprobs(c) == before
+    assert c.post("/end_weight_update", json={}).status_code == 400  # the session is closed

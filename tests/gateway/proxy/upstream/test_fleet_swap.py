@@ -3,7 +3,8 @@ fakes run as real processes: a checkpoint under the gateway's weights root that 
 (``--cannot-read``: an engine on a host without that volume) is one engine that cannot load.
 All or none: a refused load rolls back the engine that loaded, to the engine's own model before any swap
 and to the fleet's last weights after one; ``GET /api/weights`` shows one version; a distributed swap
-reaches both (ranks split over the engines) and a second swap meanwhile is a 409; an engine that was
+reaches both (ranks split over the engines) and a second swap meanwhile is a 409, and one that fails
+on either engine changes neither (staged: discarded; loaded on receipt: rolled back); an engine that was
 away during a swap catches up before it rejoins; calls in flight on both engines are continued."""
 
 from __future__ import annotations
@@ -151,6 +152,48 @@ def test_distributed_swap_reaches_both_and_a_second_swap_meanwhile_is_409(two, t
                                       "/update_weights_from_distributed", "/end_weight_update",
                                       "/continue_generation"]
         assert upstreams(srv)["weights_path"] is None  # no directory holds v-dist
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "sglang"])
+def test_a_distributed_swap_that_fails_on_one_engine_changes_no_engine(staged: bool, tiny_model_dir: Path,
+                                                                       tmp_path: Path) -> None:
+    """B refuses the bucket that A loaded: engines that stage the session (the embedded engine) are told
+    to discard it; engines that loaded it on receipt (SGLang) load their previous weights from disk. Either
+    way both serve v0 afterwards, in the rotation, and the swap reports failure naming B."""
+    extra = ("--staged",) if staged else ()
+    with start_fake(tmp_path, *extra, tokenizer=tiny_model_dir) as a, \
+            start_fake(tmp_path, *extra, tokenizer=tiny_model_dir) as b, \
+            fleet_gateway([a.base_url, b.base_url], tmp_path) as (srv, _rec):
+        r = httpx.post(srv.url + "/api/weights/distributed/init", timeout=30, json={
+            "master_address": "127.0.0.1", "master_port": 29500, "world_size": 3, "backend": "gloo"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=_distributed, args=(srv, out))
+        t.start()
+        wait_until(lambda: all("/update_weights_from_distributed" in _paths(f) for f in (a, b)),
+                   what="both engines waiting for the broadcast")
+        httpx.post(a.base_url + "/debug/broadcast", json={"names": ["w"]}, timeout=10)
+        httpx.post(b.base_url + "/debug/broadcast", json={"names": ["not-w"]}, timeout=10)  # B fails it
+        t.join(timeout=60)
+        done = out["events"][-1]
+        assert out["status"] == 200 and done["success"] is False and b.base_url in done["message"], out
+        ends = [[c["body"] for c in debug(f)["controls"] if c["path"] == "/end_weight_update"] for f in (a, b)]
+        if staged:
+            assert ends == [[{"discard": True}], [{"discard": True}]]
+            assert "nothing applied" in done["message"]
+            assert _loads(a) == _loads(b) == []
+            tail = ["/update_weights_from_distributed", "/end_weight_update", "/continue_generation"]
+        else:  # A loaded v-dist on receipt; both load the model they started with, at v0, while paused
+            assert ends == [[{}], [{}]]
+            assert "rolled back to version v0" in done["message"]
+            assert _loads(a) == _loads(b) == [{"model_path": str(tiny_model_dir), "weight_version": "v0"}]
+            tail = ["/update_weights_from_distributed", "/end_weight_update", "/update_weights_from_disk",
+                    "/continue_generation"]
+        for f in (a, b):
+            assert _paths(f)[-len(tail):] == tail
+        assert [_served_version(f) for f in (a, b)] == ["v0", "v0"]
+        assert httpx.get(srv.url + "/api/weights").json()["weight_version"] == "v0"
+        assert all(engine(srv, f.base_url)["healthy"] for f in (a, b))
 
 
 def test_calls_in_flight_on_both_engines_are_continued_across_a_fleet_swap(tiny_model_dir: Path,

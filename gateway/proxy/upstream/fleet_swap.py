@@ -18,8 +18,10 @@ once) and ``FleetControl.post`` (each step on every engine of the rotation, in p
   all or none: an engine that stages a session's buckets (it says ``staged_weight_updates: true`` in
   ``/model_info``, as the embedded engine does) gets ``{"discard": true}`` and keeps its weights
   untouched; one that loads buckets as they come (SGLang) ends the session and loads its previous
-  weights from disk, as after a refused disk load (or leaves the rotation when no directory holds
-  them). An engine that applied its session while another failed to is rolled back the same way.
+  weights from disk, as after a refused disk load. When no directory holds them (the previous version
+  came by broadcast too) it stays in the rotation holding the buckets it loaded, and the answer says so:
+  taking it out would leave nothing for the trainer's next push to reach. An engine that applied its
+  session while another failed to is rolled back as after a refused disk load.
   After a distributed swap no directory holds the fleet's weights, so an engine that missed it cannot
   rejoin until the next disk swap (``GET /api/upstreams`` says so)."""
 
@@ -143,8 +145,13 @@ class FleetControl:
         results = await self._each(engines, "/end_weight_update",
                                    [{**plain, "discard": True} if e.staged else plain for e in engines])
         kept = [e.url for e, s, b in results if e.staged and _ok(s, b)]
-        rolled = await self._roll_back([e for e, s, b in results if e.healthy and not (e.staged and _ok(s, b))])
+        loaded = [e for e, s, b in results if e.healthy and not (e.staged and _ok(s, b))]
+        stuck = [e.url for e in loaded if self._previous(e) is None]
+        rolled = await self._roll_back([e for e in loaded if self._previous(e) is not None])
         notes = ([f"nothing applied on {kept} (staged, discarded)"] if kept else []) + ([rolled[2:]] if rolled else [])
+        if stuck:  # taking them out would leave no engine to push the next update to
+            notes.append(f"{stuck} keep the buckets they loaded, under version {self.fleet.weight_version} (no "
+                         "directory holds the previous weights): push again")
         return 200, {"success": True, "engines": _per_engine(results), "message": "; ".join(notes)}
 
     async def _each(self, engines: list[Engine], path: str, bodies: list[dict[str, Any]]

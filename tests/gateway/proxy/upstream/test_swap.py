@@ -326,6 +326,10 @@ def test_distributed_failure_midway_is_reported_and_generation_continues(gw, fak
     assert status["weight_version"] == before and status["last_swap"]["success"] is False
     listed = httpx.get(srv.url + "/api/weight_versions").json()["weight_versions"]
     assert "v-fail" not in [v["version"] for v in listed]
+    # the one engine loaded bucket 1 on receipt: it reloads its previous weights from disk or, when no
+    # directory holds them (an earlier distributed swap), stays in the rotation for the next push
+    assert "rolled back" in done["message"] or "push again" in done["message"], done
+    assert [e["healthy"] for e in httpx.get(srv.url + "/api/upstreams").json()["engines"]] == [True]
 
 
 def test_one_swap_at_a_time(gw, fake, tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tracegym.trainer.engine.weights import WeightLoadError
+from tracegym.trainer.engine.weights import WeightLoadError, checked_tensors
 
 log = logging.getLogger(__name__)
 
@@ -148,15 +148,7 @@ def check_bucket(model: torch.nn.Module, names: list[str], tensors: list[torch.T
     unknown = [n for n in names if n not in params]
     if unknown:
         raise WeightLoadError(f"unknown parameter name(s) {unknown[:8]}")
-    out: dict[str, torch.Tensor] = {}
-    for name, t in zip(names, tensors, strict=True):
-        target = params[name]
-        if tuple(t.shape) != tuple(target.shape):
-            raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != served {tuple(target.shape)}")
-        if not torch.isfinite(t).all():
-            raise WeightLoadError(f"{name}: contains NaN or inf")
-        out[name] = t.to(dtype=target.dtype)
-    return out
+    return checked_tensors(zip(names, tensors, strict=True), params)
 
 
 @dataclass

@@ -3,6 +3,7 @@ bad checkpoint leaves the old weights in place (SGLang's rollback semantics)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,16 @@ def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> di
         raise WeightLoadError(
             f"checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
+    return checked_tensors(state.items(), params)
+
+
+def checked_tensors(
+    items: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """Each named tensor against its served parameter (every name must be one): the same shape, finite,
+    cast to the parameter's dtype; ``WeightLoadError`` naming the first that is not."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
+    for name, t in items:
         target = params[name]
         if tuple(t.shape) != tuple(target.shape):
             raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != served {tuple(target.shape)}")

@@ -95,7 +95,9 @@ class Bare:
         if lora:
             from peft import LoraConfig, get_peft_model
 
-            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            from tracegym.trainer.lora import default_targets
+
+            targets = list(default_targets(str(model.config.model_type)))  # the trainer's own default
             model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]

@@ -255,7 +255,9 @@ def reward(value: float, *, name: str | None = None, call_index: int | None = No
 
 
 def emit(name: str, value_or_attributes: Any = None) -> dict[str, Any]:
-    """Attach an event to the current rollout: a value (any JSON) or a dict of attributes."""
+    """Attach an event to the current rollout: a value (any JSON) or a dict of attributes. ``tracegym train``
+    averages numeric values per name over each evaluation's rollouts (``emitted/<name>`` in its metrics and
+    summary): ``tg.emit("tool_call", 1.0)`` reports a behaviour."""
     scope = _require_scope("tg.emit()")
     body = _event_body(name, value_or_attributes)
     with GatewayClient(scope.config) as client:

@@ -26,6 +26,8 @@ EXPENSIVE = {
     "bash scripts/install.sh": "installs every dependency (scripts/install.sh's torch choice: tests/test_install_script.py)",
     ". .venv/bin/activate": "the install line's second step",
     "tracegym train examples/quickstart/recipe.yaml": "trains SmolLM2 for minutes (tests/e2e/test_quickstart.py, slow)",
+    "tracegym train examples/tool_agent/recipe.yaml": "trains SmolLM2 for minutes (tests/e2e/test_tool_agent.py, "
+    "slow)",
     "bash .ci/run": "the whole test suite",
     "tracegym serve --upstream http://10.0.0.1:30000": "needs two SGLang engines on other hosts (a fleet: "
     "tests/gateway/proxy/upstream/test_fleet.py, tests/e2e/test_fleet_engines.py)",

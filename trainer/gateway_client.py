@@ -74,6 +74,10 @@ class ControlClient:
                 return False
             time.sleep(poll)
 
+    def completed_rollouts(self, groups: list[Group]) -> list[dict[str, Any]]:
+        """The completed rollouts of ``groups`` as ``GET /api/rollouts/{id}`` shows them (with their events)."""
+        return [self.client.get_rollout(r) for g in groups for r in g.rollout_ids if g.statuses.get(r) == "completed"]
+
     def trajectories(self, rollout_ids: list[str]) -> list[Trajectory]:
         out: list[Trajectory] = []
         for i in range(0, len(rollout_ids), 200):

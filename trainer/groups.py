@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from tracegym.trainer.batch import TrainBatch
 from tracegym.trainer.lora import LoraSettings
@@ -26,6 +27,30 @@ def reward_stats(rewards: Sequence[float]) -> dict[str, float]:
         "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
         "pass_rate": sum(1 for r in rewards if r > 0) / len(rewards),
     }
+
+
+def emitted_means(rollouts: Iterable[dict[str, Any]]) -> dict[str, float]:
+    """Per event name, the mean of the numeric values the agent emitted (``tg.emit(name, 1.0)``; booleans
+    count as 0/1) over the rollouts that emitted it (a rollout emitting a name twice counts its last
+    value): ``{"emitted/<name>": mean}``. What an agent reports about its behaviour (a tool-call rate),
+    averaged per evaluation. Events whose value is not a number, and the product's own ``tracegym.*``
+    events, are left out."""
+    per: dict[str, list[float]] = {}
+    for r in rollouts:
+        last: dict[str, float] = {}
+        for ev in r.get("events") or []:
+            name, value = ev.get("name"), ev.get("value")
+            if not name or name.startswith("tracegym.") or not isinstance(value, int | float):
+                continue
+            last[name] = float(value)
+        for name, value in last.items():
+            per.setdefault(name, []).append(value)
+    return {f"emitted/{k}": statistics.fmean(v) for k, v in sorted(per.items())}
+
+
+def sampled_segments(loss_mask: Sequence[int]) -> int:
+    """How many runs of sampled (mask-1) tokens a sequence holds."""
+    return sum(1 for i, m in enumerate(loss_mask) if m and (i == 0 or not loss_mask[i - 1]))
 
 
 def build_train_batch(
@@ -72,6 +97,8 @@ def build_train_batch(
         seqs, advs, adapters = _route(seqs, advs, lora, stats)
     stats["groups_used"] = float(len({g for g, k in zip(gids, keep.tolist(), strict=True) if k}))
     stats["sequences"] = float(len(seqs))
+    if seqs:  # a merged multi-turn sequence holds one sampled segment per LLM call it merged
+        stats["sampled_segments"] = statistics.fmean(sampled_segments(s.loss_mask) for s in seqs)
     if not seqs:
         return None, stats
     return TrainBatch.from_sequences(seqs, advs, adapters), stats

@@ -24,7 +24,7 @@ from tracegym.models import ModelNotFoundError
 from tracegym.trainer.config import RecipeError, TrainRecipe, load_recipe
 from tracegym.trainer.datasets import split_tasks
 from tracegym.trainer.gateway_client import TERMINAL, ControlClient, Group
-from tracegym.trainer.groups import reward_stats
+from tracegym.trainer.groups import emitted_means, reward_stats
 from tracegym.trainer.processes import Infra, start_infra
 from tracegym.trainer.run_dirs import check_run_dir, disk_use, format_disk_use, open_run_dir, resume_dir
 from tracegym.trainer.run_report import (
@@ -296,6 +296,7 @@ class Trainer:
             **reward_stats(rewards),
             "completed": float(len(rewards)),
             "failed": float(n - len(rewards)),
+            **emitted_means(self.ctl.completed_rollouts(groups)),  # the agent's tg.emit numbers, averaged
             "eval_s": time.monotonic() - t0,
         }
         self.sinks.log(self.state.step, m, kind="eval")

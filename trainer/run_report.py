@@ -223,6 +223,10 @@ def summary_table(rows: list[dict[str, Any]], *, wall_s: float) -> str:
     if ev:
         lines.append(f"| eval reward before (step {ev[0]['step']}) | {ev[0]['reward_mean']:.3f} |")
         lines.append(f"| eval reward after (step {ev[-1]['step']}) | {ev[-1]['reward_mean']:.3f} |")
+        for key in sorted({k for r in ev for k in r if k.startswith("emitted/")}):
+            seen = [r for r in ev if key in r]  # what the agent reported with tg.emit: before -> after
+            lines.append(f"| eval {key.removeprefix('emitted/')} (tg.emit mean) | {seen[0][key]:.3f} (step "
+                         f"{seen[0]['step']}) -> {seen[-1][key]:.3f} (step {seen[-1]['step']}) |")
     if train:
         lines.append(f"| steps | {train[-1]['step']} |")
         for k in ("step_s", "gen_s", "train_s", "swap_s"):

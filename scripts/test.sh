@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The test command (README): lint, import contracts, then the whole suite, slow tests included.
-# Fast suite only: bash scripts/test.sh -m "not slow"
+# Fast suite only: bash scripts/test.sh -m "not slow" -n 2  (arguments go to one pytest run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ruff check .
 bash scripts/lint_imports.sh
-# The whole run first tests the client libraries' other majors (openai 3, anthropic 1, newest openai-agents),
-# so that the main suite's summary is the last line.
-if [ "$#" -eq 0 ]; then bash scripts/test_next_majors.sh; fi
-python -m pytest -q -ra --durations=15 "$@"
+if [ "$#" -ne 0 ]; then exec python -m pytest -q -ra --durations=15 "$@"; fi
+# The whole run: the client libraries' other majors first (openai 3, anthropic 1, newest openai-agents), then
+# the fast tests two at a time (pytest-xdist: they mostly wait on child processes they start), then the slow
+# ones one at a time (each trains or serves a model on both cores), so that the slow suite's summary is last.
+bash scripts/test_next_majors.sh
+python -m pytest -q -ra --durations=15 -m "not slow" -n 2
+python -m pytest -q -ra --durations=15 -m slow

@@ -152,3 +152,23 @@ def test_sglang_lora_routes_on_a_running_engine(client: httpx.Client, adapters: 
     assert r.status_code == 200 and r.json()["loaded_adapters"] == {}
     assert client.post("/unload_lora_adapter", json={"lora_name": "planner-v1"}).status_code == 400
     assert client.post("/generate", json={"input_ids": PROMPT, "lora_path": "planner-v1"}).status_code == 400
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "inf-pair"])
+def test_an_adapter_with_non_finite_values_is_refused(tiny_model_dir: Path, adapters: tuple[Path, Path],
+                                                      tmp_path: Path, bad: object) -> None:
+    model = load_model(tiny_model_dir, device="cpu", dtype="float32")
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters[0], broken)
+    tensors = load_file(str(broken / "adapter_model.safetensors"))
+    key = sorted(k for k in tensors if k.endswith("lora_B.weight"))[-1]
+    t = tensors[key].clone()
+    if bad == "inf-pair":  # +inf and -inf: a sum that is NaN, not inf
+        t.view(-1)[0], t.view(-1)[1] = float("inf"), float("-inf")
+    else:
+        t.view(-1)[-1] = bad
+    tensors[key] = t
+    save_file(tensors, str(broken / "adapter_model.safetensors"), metadata={BASE_KEY: base_fingerprint(model.config)})
+    with pytest.raises(AdapterLoadError, match="contains NaN or inf"):
+        read_adapter("x", broken, model, torch.float32)
+    read_adapter("ok", adapters[0], model, torch.float32)  # the intact one loads

@@ -239,21 +239,3 @@ def test_two_ray_workers_fsdp2_match_one_worker(tiny_model_dir: Path, tmp_path: 
     assert all(torch.allclose(a[k], b[k], atol=1e-4) for k in a), max(float((a[k] - b[k]).abs().max()) for k in a)
     assert any(k.endswith("lora_B.weight") and a[k].abs().sum() > 0 for k in a)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_write_safetensors_reads_back_with_safetensors(tmp_path: Path, dtype: torch.dtype) -> None:
-    from safetensors import safe_open
-
-    from tracegym.trainer.lora import write_safetensors
-
-    tensors = {"b.lora_A.weight": torch.randn(4, 7).to(dtype), "a.lora_B.weight": torch.randn(9, 4).to(dtype).T.T,
-               "scalar": torch.tensor(1.5, dtype=dtype), "t": torch.randn(3, 5).to(dtype).T}  # a non-contiguous one
-    write_safetensors(tmp_path / "x.safetensors", tensors, {"format": "pt", "k": "v"})
-    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
-        assert f.metadata() == {"format": "pt", "k": "v"}
-        assert set(f.keys()) == set(tensors)
-        for k, t in tensors.items():
-            got = f.get_tensor(k)
-            assert got.dtype == dtype and torch.equal(got, t), k
-    with pytest.raises(ValueError, match="CPU float tensors only"):
-        write_safetensors(tmp_path / "y.safetensors", {"i": torch.arange(3)}, {})

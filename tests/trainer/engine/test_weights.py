@@ -143,3 +143,23 @@ def test_update_on_a_paused_server_runs_at_once(client: httpx.Client, tiny_model
             assert held.result(timeout=30).json()["meta_info"]["weight_version"] == "v-paused"
     finally:
         client.post("/continue_generation")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checked_tensors_refuses_nan_inf_and_wrong_shapes(dtype: torch.dtype) -> None:
+    from tracegym.trainer.engine.weights import WeightLoadError, checked_tensors
+
+    params = {"w": torch.nn.Parameter(torch.zeros(3, 4, dtype=dtype))}
+    good = torch.randn(3, 4)
+    out = checked_tensors([("w", good)], params)
+    assert out["w"].dtype == dtype and torch.equal(out["w"], good.to(dtype))
+    for bad in (float("nan"), float("inf"), float("-inf"), "pair"):
+        t = good.clone()
+        if bad == "pair":  # +inf and -inf in one tensor: their sum is NaN
+            t[0, 0], t[1, 1] = float("inf"), float("-inf")
+        else:
+            t[2, 3] = bad
+        with pytest.raises(WeightLoadError, match="w: contains NaN or inf"):
+            checked_tensors([("w", t)], params)
+    with pytest.raises(WeightLoadError, match=r"shape \(4, 3\) != served \(3, 4\)"):
+        checked_tensors([("w", good.T)], params)

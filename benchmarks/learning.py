@@ -292,9 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from benchmarks.machine import describe
-    from tracegym.trainer.models import prepare_model
+    from tracegym.trainer.models import CPU_BF16_ENV, decide_cpu_bf16, prepare_model
 
     print(describe(), flush=True)
+    decide_cpu_bf16()  # both sides (and the product's engine and trainer) compute in one dtype
+    print(f"compute dtype on this CPU: {'bf16' if os.environ.get(CPU_BF16_ENV) == 'fast' else 'fp32'}", flush=True)
     model_dir = prepare_model("smollm2-135m")
     sides: dict[str, dict[str, Any]] = {}
     for name in ("bare", "product"):

@@ -62,10 +62,10 @@ class BareLoop:
         self.attn = torch.zeros_like(self.ids)
         mask = torch.zeros((len(s), length))
         for r, x in enumerate(s):
-            self.ids[r, : len(x.token_ids)] = torch.tensor(x.token_ids)
+            self.ids[r, : len(x.token_ids)] = torch.from_numpy(x.token_ids)
             self.attn[r, : len(x.token_ids)] = 1
-            mask[r, : len(x.token_ids)] = torch.tensor(x.loss_mask, dtype=torch.float32)
-        first = min(x.loss_mask.index(1) for x in s)
+            mask[r, : len(x.token_ids)] = torch.from_numpy(x.loss_mask)
+        first = min(int(x.loss_mask.argmax()) for x in s)  # each sample's first loss token
         self.keep = length - first
         self.targets = self.ids[:, first:]
         self.mask = mask[:, first:]

@@ -6,8 +6,13 @@ become a ``Trajectory`` of ``Sequence``s, and the trainer turns trajectories int
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from functools import cache
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from tracegym.arrays import TokenArrays
 
 Drift = Literal["none", "clean", "realigned", "forked"]
 """Prefix-reuse status of a call's prompt within its rollout.
@@ -106,7 +111,7 @@ class CallRecord:
 
 
 class _ListField:
-    """A ``Sequence`` field kept as given (a list, or a packed array from the assembly) in the slot
+    """A ``Sequence`` field kept as given (a list, or a numpy array from the assembly) in the slot
     ``_<name>`` and read as a list, made once on first read (``nan_is_none``: NaN values read as None)."""
 
     def __init__(self, *, nan_is_none: bool = False) -> None:
@@ -137,10 +142,10 @@ class Sequence:
     ``loss_mask[i] == 1`` exactly on tokens the policy sampled; ``logprobs[i]`` is the engine's logprob
     there and None elsewhere.
 
-    ``token_ids``, ``loss_mask`` and ``logprobs`` read as lists. The gateway's assembly builds them as
-    packed arrays (numpy: integer ids, int8 mask, float64 logprobs with NaN for None) and the route
-    serializes those directly (``packed()``); a list is made from them only on first Python access, once.
-    A NaN logprob reads as None (JSON has no NaN either: it is written as null).
+    ``token_ids``, ``loss_mask`` and ``logprobs`` read as lists: the public form, as in JSON. A NaN logprob
+    reads as None (JSON has no NaN either: it is written as null). In memory the gateway and the trainer
+    work on numpy arrays (``tracegym.arrays``): the assembly builds a sequence from them, and ``arrays()``
+    gives them whatever the sequence holds. The list of an array-built field is made on its first read, once.
 
     ``call_ids``: the calls whose sampled tokens this sequence trains (mask 1), in order;
     ``choice_indices``: the choice of each (a call with ``n`` > 1 appears once per choice); ``reward``: the
@@ -149,6 +154,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "_checked",
         "_logprobs",
         "_loss_mask",
         "_token_ids",
@@ -180,6 +186,7 @@ class Sequence:
         self._token_ids = token_ids
         self._loss_mask = loss_mask
         self._logprobs = logprobs
+        self._checked: TokenArrays | None = None
         self.agent_name = agent_name
         self.weight_versions: list[str] = [] if weight_versions is None else weight_versions
         self.call_ids: list[str] = [] if call_ids is None else call_ids
@@ -192,10 +199,30 @@ class Sequence:
     loss_mask: list[int] = _ListField()  # type: ignore[assignment]
     logprobs: list[float | None] = _ListField(nan_is_none=True)  # type: ignore[assignment]
 
-    def packed(self) -> tuple[Any, Any, Any]:
-        """``(token_ids, loss_mask, logprobs)`` as they are held: numpy arrays from the assembly, lists
-        otherwise (do not modify them)."""
-        return self._token_ids, self._loss_mask, self._logprobs
+    @classmethod
+    def from_arrays(cls, arrays: TokenArrays, *args: Any, **kwargs: Any) -> Sequence:
+        """A sequence of ``arrays``, already in ``tracegym.arrays``' types (made by ``token_arrays``, or
+        built in those types, as the assembly does): ``arrays()`` hands them out without checking them
+        again. ``args``/``kwargs``: the other fields, as for the constructor."""
+        seq = cls(*arrays, *args, **kwargs)
+        seq._checked = arrays
+        return seq
+
+    def arrays(self) -> TokenArrays:
+        """``(token_ids, loss_mask, logprobs)`` as numpy arrays (``tracegym.arrays``: needs numpy, which the
+        gateway and trainer extras bring). Arrays the sequence holds in those types are returned as they
+        are, shared (the assembly's: modifying them modifies the sequence), and checked once; lists (given,
+        parsed from JSON, or read) are converted on each call, so call it once and keep the result.
+        ValueError for values that are no token arrays or lengths that differ."""
+        ids, mask, lps = self._token_ids, self._loss_mask, self._logprobs
+        c = self._checked
+        if c is not None and c.token_ids is ids and c.loss_mask is mask and c.logprobs is lps:
+            return c  # the route checks a sequence's arrays, then writes them: one check
+        arrays = _token_arrays()(ids, mask, lps)
+        if arrays.token_ids is ids and arrays.loss_mask is mask and arrays.logprobs is lps:
+            self._checked = arrays
+        # Converted lists are not kept in place of the held ones: a caller may hold the list and edit it.
+        return arrays
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict of plain Python values (lists), in ``FIELDS`` order."""
@@ -211,6 +238,15 @@ class Sequence:
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.FIELDS)
         return f"Sequence({inner})"
+
+
+@cache
+def _token_arrays() -> Callable[[Any, Any, Any], TokenArrays]:
+    """``tracegym.arrays.token_arrays``, imported on first use: it needs numpy, which ``import tracegym``
+    never loads. (Cached: an import statement per ``Sequence.arrays`` call costs more than the call.)"""
+    from tracegym.arrays import token_arrays
+
+    return token_arrays
 
 
 def _plain(value: Any) -> Any:

@@ -1,13 +1,17 @@
 """Trajectories → the trainer's batch: samples (``TrainSample``/``TrainBatch``), their split across
 ranks by token count, micro-batches by token budget, padding aligned with the targets (``collate``), and
-the way back from per-micro-batch metrics to one step's metrics. All pure (lists in, lists or tensors
-out), so all of it is tested without a model."""
+the way back from per-micro-batch metrics to one step's metrics. All pure (numpy arrays in, tensors out),
+so all of it is tested without a model."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from tracegym.arrays import as_logprobs, as_loss_mask, as_token_ids
 
 if TYPE_CHECKING:
     import torch
@@ -17,17 +21,21 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class TrainSample:
-    """One training sequence. ``engine_logprobs[i]`` is the sampling engine's logprob of token ``i``
-    where ``loss_mask[i] == 1`` (ignored elsewhere)."""
+    """One training sequence, its arrays in ``tracegym.arrays``' types (lists or other arrays given are
+    converted). ``engine_logprobs[i]`` is the sampling engine's logprob of token ``i`` where
+    ``loss_mask[i] == 1`` (ignored elsewhere)."""
 
-    token_ids: list[int]
-    loss_mask: list[int]
-    engine_logprobs: list[float]
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    engine_logprobs: np.ndarray
     advantage: float
     adapter: str | None = None
     """The LoRA adapter this sample trains (one adapter per agent); None = the model or its one adapter."""
 
     def __post_init__(self) -> None:
+        self.token_ids = as_token_ids(self.token_ids)
+        self.loss_mask = as_loss_mask(self.loss_mask)
+        self.engine_logprobs = as_logprobs(self.engine_logprobs)
         n = len(self.token_ids)
         if n < 2:
             raise ValueError(f"a training sample needs at least 2 tokens, got {n}")
@@ -41,7 +49,7 @@ class TrainSample:
 
     @property
     def num_loss_tokens(self) -> int:
-        return sum(1 for m in self.loss_mask if m)
+        return int(np.count_nonzero(self.loss_mask))
 
 
 @dataclass(slots=True)
@@ -73,13 +81,19 @@ class TrainBatch:
             raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantages")
         samples = []
         for k, (seq, adv) in enumerate(zip(sequences, advantages, strict=True)):
-            lps: list[float] = []
-            for i, (m, lp) in enumerate(zip(seq.loss_mask, seq.logprobs, strict=True)):
-                if m and lp is None:
-                    raise ValueError(f"sequence {k}: token {i} is in the loss mask but has no engine logprob")
-                lps.append(0.0 if lp is None else float(lp))
+            try:
+                ids, mask, lps = seq.arrays()
+            except ValueError as e:
+                raise ValueError(f"sequence {k}: {e}") from None
+            missing = np.isnan(lps)
+            if missing.any():
+                bad = np.flatnonzero(missing & (mask != 0))
+                if len(bad):
+                    raise ValueError(f"sequence {k}: token {bad[0]} is in the loss mask but has no engine "
+                                     "logprob")
+                lps = np.where(missing, 0.0, lps)  # ignored there; 0 keeps NaN out of the batch's tensors
             adapter = None if adapters is None else adapters[k]
-            samples.append(TrainSample(list(seq.token_ids), list(seq.loss_mask), lps, float(adv), adapter))
+            samples.append(TrainSample(ids, mask, lps, float(adv), adapter))
         return cls(samples)
 
 
@@ -167,34 +181,35 @@ def collate(samples: Seq[TrainSample], pad_id: int = 0) -> MicroBatch:
     else:
         dummy = False
     length = max(len(s.token_ids) for s in samples)
-    ids = torch.full((len(samples), length), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(samples), length), dtype=torch.long)
-    mask = torch.zeros((len(samples), length), dtype=torch.float32)
-    elp = torch.zeros((len(samples), length), dtype=torch.float32)
+    # Padded in numpy, then one tensor each (torch.from_numpy shares the memory): a sample's arrays may be
+    # read-only (Ray hands them to a worker as views of its object store), which torch would warn about.
+    ids = np.full((len(samples), length), pad_id, dtype=np.int64)
+    attn = np.zeros((len(samples), length), dtype=np.int64)
+    mask = np.zeros((len(samples), length), dtype=np.float32)
+    elp = np.zeros((len(samples), length), dtype=np.float32)
     for r, s in enumerate(samples):
         n = len(s.token_ids)
-        ids[r, :n] = torch.tensor(s.token_ids)
+        ids[r, :n] = s.token_ids
         attn[r, :n] = 1
-        mask[r, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        elp[r, :n] = torch.tensor(s.engine_logprobs, dtype=torch.float32)
+        mask[r, :n] = s.loss_mask
+        elp[r, :n] = s.engine_logprobs
     keep = _logits_to_keep([s.loss_mask for s in samples], length)
     return MicroBatch(
-        input_ids=ids,
-        attention_mask=attn,
-        targets=ids[:, length - keep :].contiguous(),
-        loss_mask=mask[:, length - keep :].contiguous(),
-        engine_logprobs=elp[:, length - keep :].contiguous(),
+        input_ids=torch.from_numpy(ids),
+        attention_mask=torch.from_numpy(attn),
+        targets=torch.from_numpy(ids[:, length - keep :].copy()),
+        loss_mask=torch.from_numpy(mask[:, length - keep :].copy()),
+        engine_logprobs=torch.from_numpy(elp[:, length - keep :].copy()),
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         logits_to_keep=keep,
         num_tokens=0 if dummy else int(attn.sum()),
     )
 
 
-def _logits_to_keep(masks: Seq[Seq[int]], length: int) -> int:
+def _logits_to_keep(masks: Seq[np.ndarray], length: int) -> int:
     """How many trailing predicted positions cover every loss token: the logit at position ``t - 1``
     predicts token ``t``, so keeping the last ``K`` of the ``L - 1`` logits covers tokens ``L-K..L-1``."""
-    first = [next((i for i, m in enumerate(mk) if m), None) for mk in masks]
-    starts = [f for f in first if f is not None]
+    starts = [int(mk.argmax()) for mk in masks if mk.any()]  # argmax: the first 1
     if not starts:
         return 1
     return length - min(starts)

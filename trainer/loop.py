@@ -415,7 +415,7 @@ def train(
     """Run the recipe in its own run directory (``run_dirs``). Everything that can be checked without the
     services is checked before any of them starts (``RecipeError``): the algorithm settings, the datasets,
     the run directory, the checkpoint to resume from."""
-    from tracegym.trainer.models import prepare_model
+    from tracegym.trainer.models import decide_cpu_bf16, prepare_model
 
     assert recipe.run_dir is not None, "load_recipe resolves run_dir"
     train_cfg = check_recipe(recipe)
@@ -435,6 +435,7 @@ def train(
     store = recipe.store.replace("{run_dir}", str(run.path))
     recipe = recipe.model_copy(update={"run_dir": run.path, "store": store})
     print(f"run dir: {run.path}", file=sys.stderr, flush=True)
+    decide_cpu_bf16()  # one bf16-or-fp32 decision for this process, its engines and its Ray workers
     with start_infra(recipe, model_dir, recipe_dir) as infra:
         key_note = f" (admin key: {recipe.run_dir / 'admin_key'})" if infra.admin_key else ""
         print(f"trace inspector: {infra.gateway_url}/ui/runs/{quote(run.run_id, safe='')}{key_note}",

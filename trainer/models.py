@@ -385,17 +385,42 @@ def cpu_compute_dtype(dtype: Any) -> Any:
     import torch
 
     if dtype is torch.bfloat16 and not cpu_bf16_is_fast():
-        log.warning("this CPU runs bfloat16 slower than float32 (bf16/fp32 time %.2f on a small Llama): "
-                    "computing in float32", bf16_slowdown())
+        if os.environ.get(CPU_BF16_ENV) == "slow":
+            log.info("computing in float32: $%s=slow (bfloat16 is slower on this CPU)", CPU_BF16_ENV)
+        else:
+            log.warning("this CPU runs bfloat16 slower than float32 (bf16/fp32 time %.2f on a small Llama): "
+                        "computing in float32", bf16_slowdown())
         return torch.float32
     return dtype
 
 
-def cpu_bf16_is_fast() -> bool:
-    """Whether bf16 runs a transformer at least as fast as fp32 on this CPU: never without oneDNN's bf16
-    kernels (they need AVX-512; torch's fallback is tens of times slower), else timed (``bf16_slowdown``)."""
+CPU_BF16_ENV = "TRACEGYM_CPU_BF16"
+"""``fast`` or ``slow``: decides ``cpu_bf16_is_fast`` without timing. ``tracegym train`` times once and sets it
+for the processes it starts, so its engines and trainer workers compute in one dtype: each process timing
+on its own can land on either side when bf16 and fp32 run about as fast (1.15 in one process, 1.45 in
+another on one machine)."""
+
+
+def decide_cpu_bf16() -> None:
+    """``cpu_bf16_is_fast`` once for this process and the ones it starts (sets ``$TRACEGYM_CPU_BF16``, unless
+    it is set already); nothing on a machine with CUDA, whose processes compute on the GPU."""
     import torch
 
+    if not torch.cuda.is_available():
+        os.environ[CPU_BF16_ENV] = "fast" if cpu_bf16_is_fast() else "slow"
+
+
+def cpu_bf16_is_fast() -> bool:
+    """Whether bf16 runs a transformer at least as fast as fp32 on this CPU: never without oneDNN's bf16
+    kernels (they need AVX-512; torch's fallback is tens of times slower), else timed (``bf16_slowdown``);
+    ``$TRACEGYM_CPU_BF16`` set to ``fast``/``slow`` decides instead."""
+    import torch
+
+    forced = os.environ.get(CPU_BF16_ENV)
+    if forced:
+        if forced not in ("fast", "slow"):
+            raise ValueError(f"${CPU_BF16_ENV} must be 'fast' or 'slow', got {forced!r}")
+        return forced == "fast"
     try:
         if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return False

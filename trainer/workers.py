@@ -379,7 +379,7 @@ class WorkerGroup:
         plan, n_micro = plan_step(
             [len(s.token_ids) for s in samples], self.world_size, self.cfg.micro_batch_tokens
         )
-        scales = loss_scales(*(torch.tensor([s.loss_mask]) for s in samples), world_size=self.world_size)
+        scales = loss_scales(*(torch.tensor(s.loss_mask)[None] for s in samples), world_size=self.world_size)
         args = [([[samples[i] for i in g] for g in rank_plan], n_micro, scales, adapter, advance)
                 for rank_plan in plan]
         return self._call_all("train_step", args)

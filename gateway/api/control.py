@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from sqlalchemy.exc import DataError
 from starlette.responses import Response
 
-from tracegym.gateway.api.params import QueryModel, Status, Time, integer
+from tracegym.gateway.api.params import Names, QueryModel, Status, Time, integer
 from tracegym.gateway.deps import RecorderDep, StoreDep
 from tracegym.gateway.errors import OpenAIError, bad_request, error_responses
 from tracegym.gateway.traces.reads import list_spans as read_spans
@@ -236,6 +236,8 @@ class RolloutFilters(QueryModel):
     status: Status = None
     task_id: str | None = None
     group_id: str | None = None
+    group_ids: Names = None
+    """The rollouts of any of these groups (up to 500)."""
     since: Time = None
     """ISO-8601 or epoch seconds."""
     until: Time = None

@@ -96,13 +96,13 @@ def _assemble(store: Any, rollout: dict, calls: list, opts: AssemblyOptions, che
 
 def _sequence_fields(obj: Any) -> dict[str, Any]:
     if isinstance(obj, Sequence):
-        packed = dict(zip(Sequence.FIELDS[:3], obj.packed(), strict=True))  # token_ids, loss_mask, logprobs
-        return {name: packed[name] if name in packed else getattr(obj, name) for name in Sequence.FIELDS}
+        arrays = obj.arrays()._asdict()  # token_ids, loss_mask, logprobs
+        return {name: arrays[name] if name in arrays else getattr(obj, name) for name in Sequence.FIELDS}
     raise TypeError(f"cannot serialize {type(obj).__name__}")
 
 
 def trajectory_json(traj: Trajectory) -> bytes:
-    """The trajectory as JSON. orjson writes the dataclasses and a sequence's packed numpy arrays directly
+    """The trajectory as JSON. orjson writes the dataclasses and a sequence's numpy arrays directly
     (no Python list per token; a NaN logprob is written as null, as None would be)."""
     return orjson.dumps(traj, default=_sequence_fields, option=orjson.OPT_SERIALIZE_NUMPY)
 

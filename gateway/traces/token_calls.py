@@ -1,8 +1,10 @@
 """What the assembly reads of a call: ``TokenCall``, its token arrays kept as the store's blobs.
 
 A blob (``codec``) is one tag byte, then little-endian values; two id blobs of one tag hold equal ids
-exactly when their bytes are equal, so the assembly compares prefixes and joins sequences as bytes.
-``token_calls`` makes the ``TokenCall``s of ``CallRecord``s and gives a rollout's id blobs one tag.
+exactly when their bytes are equal, so the assembly compares prefixes and joins sequences as bytes (a
+deliberate fast path over the storage encoding). ``values`` is the in-memory view of a blob: a numpy array
+(``tracegym.arrays``). ``token_calls`` makes the ``TokenCall``s of ``CallRecord``s and gives a rollout's
+id blobs one tag.
 """
 
 from __future__ import annotations
@@ -12,12 +14,9 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 
-from tracegym.gateway.traces.codec import ITEMSIZE, array_blob, widen_ids
+from tracegym.gateway.traces.codec import DTYPES, ITEMSIZE, array_blob, widen_ids
 from tracegym.types import CallRecord
 
-DTYPES: dict[int, np.dtype] = {ord(t): np.dtype("<" + d) for t, d in (("i", "i4"), ("q", "i8"), ("f", "f4"),
-                                                                       ("d", "f8"))}
-"""The numpy type of each blob tag (keyed by the tag byte)."""
 _Q = ord("q")
 
 

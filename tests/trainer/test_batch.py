@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,8 +32,8 @@ def test_from_sequences_keeps_ids_mask_and_logprobs() -> None:
     )
     batch = TrainBatch.from_sequences([seq], [0.5])
     s = batch.samples[0]
-    assert s.token_ids == [1, 2, 3, 4, 5] and s.loss_mask == [0, 0, 1, 0, 1]
-    assert s.engine_logprobs == [0.0, 0.0, -0.1, 0.0, -0.2] and s.advantage == 0.5
+    assert s.token_ids.tolist() == [1, 2, 3, 4, 5] and s.loss_mask.tolist() == [0, 0, 1, 0, 1]
+    assert s.engine_logprobs.tolist() == [0.0, 0.0, -0.1, 0.0, -0.2] and s.advantage == 0.5
     assert batch.num_loss_tokens == 2 and batch.num_tokens == 5
 
 
@@ -48,6 +50,49 @@ def test_sample_validation() -> None:
         TrainSample([1, 2, 3], [0, 1], [0.0, 0.0, 0.0], 1.0)
     with pytest.raises(ValueError, match=r"loss_mask\[0\] must be 0"):
         TrainSample([1, 2], [1, 1], [0.0, 0.0], 1.0)
+    with pytest.raises(ValueError, match="loss_mask must hold 0 or 1"):
+        TrainSample([1, 2], [0, 2], [0.0, 0.0], 1.0)
+    with pytest.raises(ValueError, match="token_ids must be integers"):
+        TrainSample([1, 2.5], [0, 1], [0.0, 0.0], 1.0)
+
+
+def test_sample_holds_numpy_arrays_from_lists_or_arrays_and_collates_them_alike() -> None:
+    """Lists are converted once (``tracegym.arrays`` types); arrays of those types are kept; either way the
+    tensors are the same, from int32 ids and read-only arrays too (Ray hands workers read-only views)."""
+    ids, mask, lps = [5, 6, 7, 8], [0, 0, 1, 1], [0.0, 0.0, -0.25, -0.5]
+    listed = TrainSample(ids, mask, lps, 1.0)
+    assert (listed.token_ids.dtype, listed.loss_mask.dtype, listed.engine_logprobs.dtype) == (
+        np.int64, np.int8, np.float64)
+    a = (np.array(ids, dtype=np.int32), np.array(mask, dtype=np.int8), np.array(lps))
+    for arr in a:
+        arr.setflags(write=False)
+    held = TrainSample(*a, 1.0)
+    assert all(x is y for x, y in zip((held.token_ids, held.loss_mask, held.engine_logprobs), a, strict=True))
+    assert held.num_loss_tokens == listed.num_loss_tokens == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "non-writable array" warning from torch
+        got = [collate([s, sample(2, 3)]) for s in (listed, held)]
+    for name in ("input_ids", "attention_mask", "targets", "loss_mask", "engine_logprobs", "advantages"):
+        x, y = getattr(got[0], name), getattr(got[1], name)
+        assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert got[0].input_ids.dtype == torch.long and got[0].loss_mask.dtype == torch.float32
+    assert got[0].logits_to_keep == got[1].logits_to_keep and got[0].num_tokens == got[1].num_tokens == 9
+
+
+def test_from_sequences_of_lists_and_of_arrays_give_one_sample() -> None:
+    """A sequence of lists (as parsed from JSON) and one of arrays (as the assembly builds it: int32 ids,
+    int8 mask, NaN for no logprob) give the same sample and the same tensors."""
+    listed = Sequence([1, 2, 3, 7, 8], [0, 0, 0, 1, 1], [None, None, None, -0.5, -0.25])
+    held = Sequence(np.array([1, 2, 3, 7, 8], dtype=np.int32), np.array([0, 0, 0, 1, 1], dtype=np.int8),
+                    np.array([np.nan, np.nan, np.nan, -0.5, -0.25]))
+    a, b = (TrainBatch.from_sequences([s], [1.0]).samples[0] for s in (listed, held))
+    assert a.engine_logprobs.tolist() == b.engine_logprobs.tolist() == [0.0, 0.0, 0.0, -0.5, -0.25]
+    mb_a, mb_b = collate([a]), collate([b])
+    for name in ("input_ids", "targets", "loss_mask", "engine_logprobs"):
+        assert torch.equal(getattr(mb_a, name), getattr(mb_b, name)), name
+    bad = Sequence([1, 2], [0, 1], ["x", -0.5])
+    with pytest.raises(ValueError, match="sequence 0: logprobs must be numbers or None"):
+        TrainBatch.from_sequences([bad], [1.0])
 
 
 def test_split_across_ranks_balances_tokens_and_covers_all() -> None:

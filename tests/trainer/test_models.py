@@ -190,11 +190,40 @@ def test_bf16_compute_falls_back_to_fp32_on_a_cpu_without_fast_bf16(monkeypatch:
     assert models.cpu_compute_dtype(torch.bfloat16) is torch.bfloat16
 
 
-def test_bf16_speed_probe_times_a_small_llama() -> None:
+def test_bf16_speed_probe_times_a_small_llama(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
+    monkeypatch.delenv(models.CPU_BF16_ENV, raising=False)
     ratio = models.bf16_slowdown()
     assert 0 < ratio < 1000
     assert models.cpu_bf16_is_fast() == (torch.ops.mkldnn._is_mkldnn_bf16_supported() and ratio <= 1.0)
     want = torch.bfloat16 if models.cpu_bf16_is_fast() else torch.float32
     assert models.cpu_compute_dtype(torch.bfloat16) is want
+
+
+def test_one_bf16_decision_for_the_processes_a_run_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$TRACEGYM_CPU_BF16`` decides without timing (``tracegym train`` sets it from its one probe, so its
+    engine and trainer agree); a value other than fast/slow is an error, not a silent probe."""
+    import torch
+
+    def no_probe() -> float:
+        raise AssertionError("timed although the environment decides")
+
+    monkeypatch.setattr(models, "bf16_slowdown", no_probe)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setenv(models.CPU_BF16_ENV, "slow")
+    assert models.cpu_compute_dtype(torch.bfloat16) is torch.float32
+    monkeypatch.setenv(models.CPU_BF16_ENV, "fast")
+    assert models.cpu_compute_dtype(torch.bfloat16) is torch.bfloat16
+    models.decide_cpu_bf16()  # already decided: kept
+    assert models.os.environ[models.CPU_BF16_ENV] == "fast"
+    monkeypatch.setenv(models.CPU_BF16_ENV, "yes")
+    with pytest.raises(ValueError, match="must be 'fast' or 'slow'"):
+        models.cpu_bf16_is_fast()
+
+    monkeypatch.delenv(models.CPU_BF16_ENV)
+    monkeypatch.setattr(models, "bf16_slowdown", lambda: 1.4)
+    models.decide_cpu_bf16()
+    assert models.os.environ[models.CPU_BF16_ENV] == "slow"
+    monkeypatch.setattr(models, "bf16_slowdown", no_probe)
+    assert models.cpu_compute_dtype(torch.bfloat16) is torch.float32

@@ -82,10 +82,7 @@ def sequence_view(i: int, seq: Any, calls: dict[str, tuple[int, TokenCall]], spa
                   texts: list[str] | None, trainer: list[Any] | None) -> dict[str, Any]:
     """One sequence of the view (``calls``: ``{call_id: (index in the rollout, TokenCall)}``;
     ``spans``: the decoded spans by call id)."""
-    ids_a, mask_a, lps_a = seq.packed()
-    ids = ids_a.tolist() if hasattr(ids_a, "tolist") else list(ids_a)
-    mask = mask_a.tolist() if hasattr(mask_a, "tolist") else list(mask_a)
-    lps = _floats(lps_a.tolist() if hasattr(lps_a, "tolist") else lps_a)
+    ids, mask, lps = seq.token_ids, seq.loss_mask, _floats(seq.logprobs)  # lists: the view is JSON
     segments: list[dict[str, Any]] = []
     versions: list[dict[str, Any]] = []
     markers: list[dict[str, Any]] = []
@@ -125,8 +122,7 @@ def trajectory_view(traj: Trajectory, calls: list[TokenCall], spans: list[dict[s
     span_by_call = {s["call_id"]: s for s in spans if s.get("choices") is not None}
     seqs = []
     for i, seq in enumerate(traj.sequences):
-        ids = seq.packed()[0]
-        texts = texts_of(ids.tolist() if hasattr(ids, "tolist") else list(ids))
+        texts = texts_of(seq.token_ids)
         seqs.append(sequence_view(i, seq, by_id, span_by_call, texts, trainer.get(i)))
     excluded = [{**e, "call_index": by_id[e["call_id"]][0] if e["call_id"] in by_id else None}
                 for e in traj.excluded]

@@ -35,12 +35,14 @@ that does not hold, which is detected for Metaspace ``prepend_scheme="first"``).
 from __future__ import annotations
 
 import logging
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from tracegym.arrays import as_token_ids
 from tracegym.gateway.proxy.prompt.message_keys import (
     MsgKey,
     bare_key,
@@ -95,7 +97,7 @@ class PromptPlan:
 
 @dataclass(slots=True)
 class _Choice:
-    output_ids: array
+    output_ids: np.ndarray  # int64 (tracegym.arrays): a remembered call's ids take no Python int each
     reply: MsgKey
     bare: MsgKey | None  # the reply without its reasoning (None: it has none)
     text: str  # the output ids decoded
@@ -110,7 +112,7 @@ class _Call:
     call_id: str
     ctx: str
     messages: tuple[MsgKey, ...]
-    prompt_ids: array
+    prompt_ids: np.ndarray  # as _Choice.output_ids
     text_len: int  # the prompt's re-render text: its length and hash
     text_hash: int
     clean: bool  # prompt_ids == encode(re-render)
@@ -270,7 +272,7 @@ class PrefixCache:
                 continue
             if n == len(keys):
                 if call.text_len == len(text) and call.text_hash == hash(text):
-                    ids = list(call.prompt_ids)
+                    ids = call.prompt_ids.tolist()
                     return PromptPlan(
                         ids, "clean" if call.clean else "realigned", len(ids), call.call_id
                     ), keys, n
@@ -452,7 +454,7 @@ class PrefixCache:
         eos = set(self.tok.eos_token_ids)
         choices = [
             _Choice(
-                array("l", ch.output_ids),
+                as_token_ids(ch.output_ids),
                 message_key(ch.message),
                 bare_key(ch.message),
                 self.tok.decode(ch.output_ids),
@@ -466,7 +468,7 @@ class PrefixCache:
                 record.call_id,
                 ctx,
                 keys,
-                array("l", record.prompt_ids),
+                as_token_ids(record.prompt_ids),
                 len(text),
                 hash(text),
                 clean,

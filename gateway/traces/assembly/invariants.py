@@ -7,20 +7,19 @@ prompt, tool or user token is trained) and the sequence ends with its last outpu
 engine's there and None elsewhere (a ``retokenized`` sequence may carry None on sampled tokens). Across
 the trajectory every call choice is trained exactly once or listed in ``excluded``, never both.
 
-Each promise is checked on whole buffers (ids as the blobs' bytes, mask and logprobs as arrays); only
-when one fails is the first offending position located, for the message.
+Each promise is checked on whole buffers (the sequence's ``arrays()``, ids as the blobs' bytes); only when
+one fails is the first offending position located, for the message.
 """
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import numpy as np
 
-from tracegym.gateway.traces.codec import ITEMSIZE
+from tracegym.arrays import LOGPROB_DTYPE
+from tracegym.gateway.traces.codec import DTYPES, ITEMSIZE
 from tracegym.gateway.traces.token_calls import (
-    DTYPES,
     TokenCall,
     TokenChoice,
     count,
@@ -48,77 +47,45 @@ def _choices(calls: list[TokenCall]) -> Choices:
     return out
 
 
-def _ids_bytes(ids: Any, tag: int) -> bytes:
-    """The sequence's ids (a numpy array or a list) packed as values of the id blob tag ``tag``, up to the
-    first id that is no such value (out of the type's range, or not an integer): no blob of that tag
-    matches that position, and a comparison reaching it finds the buffer too short."""
+def _ids_bytes(ids: np.ndarray, tag: int) -> bytes:
+    """The sequence's ids packed as values of the id blob tag ``tag``, up to the first id out of that type's
+    range: no blob of that tag matches that position, and a comparison reaching it finds the buffer too
+    short."""
     dtype = DTYPES[tag]
-    if isinstance(ids, np.ndarray):
-        if ids.dtype == dtype:  # as assembled
-            return ids.tobytes()
-        if ids.dtype.kind in "iu":
-            info = np.iinfo(dtype)
-            bad = np.flatnonzero((ids < info.min) | (ids > info.max))
-            return ids[: bad[0] if len(bad) else len(ids)].astype(dtype).tobytes()
-        ids = ids.tolist()
-    fmt = chr(tag)
-    try:
-        return struct.pack(f"<{len(ids)}{fmt}", *ids)
-    except struct.error:
-        cut = next((i for i, x in enumerate(ids) if not _packs(fmt, x)), len(ids))
-        return struct.pack(f"<{cut}{fmt}", *ids[:cut])
+    if ids.dtype == dtype:  # as assembled
+        return ids.tobytes()
+    info = np.iinfo(dtype)
+    bad = np.flatnonzero((ids < info.min) | (ids > info.max))
+    return ids[: bad[0] if len(bad) else len(ids)].astype(dtype).tobytes()
 
 
-def _packs(fmt: str, x: Any) -> bool:
-    try:
-        struct.pack(f"<{fmt}", x)
-    except struct.error:
-        return False
-    return True
-
-
-def _at(values: Any, i: int) -> Any:
+def _at(values: np.ndarray, i: int) -> Any:
     """``values[i]`` as a plain Python value (for messages)."""
-    x = values[i]
-    return x.item() if isinstance(x, np.generic) else x
-
-
-def _as_floats(lps: Any, si: int) -> np.ndarray:
-    if isinstance(lps, np.ndarray) and lps.dtype.kind == "f":
-        return lps
-    try:
-        return np.array(lps, dtype=np.float64)  # None -> NaN
-    except (TypeError, ValueError) as e:
-        raise InvariantError(f"sequence {si}: logprobs must be numbers or None ({e})") from None
+    return values[i].item()
 
 
 def _where(si: int, call_id: str, k: int) -> str:
     return f"sequence {si}, call {call_id} choice {k}"
 
 
-def _check_mask(si: int, seq: Sequence, mask: Any, expected: bytearray) -> None:
-    """The sequence's mask is ``expected`` (one 0/1 byte per token)."""
-    if isinstance(mask, np.ndarray) and mask.dtype == np.int8 and mask.tobytes() == expected:
+def _check_mask(si: int, ids: np.ndarray, mask: np.ndarray, expected: bytearray) -> None:
+    """The sequence's mask (int8) is ``expected`` (one 0/1 byte per token)."""
+    if mask.tobytes() == expected:
         return
-    want = np.frombuffer(expected, dtype=np.int8)
-    differ = np.asarray(mask) != want
-    if not differ.any():
-        return
-    i = int(differ.argmax())
+    i = int((mask != np.frombuffer(expected, dtype=mask.dtype)).argmax())
     what = "a sampled token" if expected[i] else "a prompt/tool token"
     raise InvariantError(
-        f"sequence {si}: position {i} (id {_at(seq.packed()[0], i)}) is {what} but has mask {_at(mask, i)!r}"
+        f"sequence {si}: position {i} (id {_at(ids, i)}) is {what} but has mask {_at(mask, i)!r}"
     )
 
 
-def _check_logprobs(si: int, seq: Sequence, lps: Any, expected: np.ndarray, sampled: bytearray,
+def _check_logprobs(si: int, seq: Sequence, got: np.ndarray, expected: np.ndarray, sampled: bytearray,
                     spans: list[tuple[int, str, int]]) -> None:
-    """The sequence's logprobs are ``expected`` (the engine's, NaN for None), compared as values; in a
-    retokenized sequence a sampled position may be None instead. ``spans``: (end, call_id, choice index)
-    of each trained output, to name the call at fault."""
-    if not seq.retokenized and isinstance(lps, np.ndarray) and lps.tobytes() == expected.tobytes():
+    """The sequence's logprobs (float64) are ``expected`` (the engine's, NaN for None), compared as values;
+    in a retokenized sequence a sampled position may be None instead. ``spans``: (end, call_id, choice
+    index) of each trained output, to name the call at fault."""
+    if not seq.retokenized and got.tobytes() == expected.tobytes():
         return
-    got = _as_floats(lps, si)
     good = got == expected
     good |= np.isnan(got) if seq.retokenized else np.isnan(got) & np.isnan(expected)
     if good.all():
@@ -135,10 +102,11 @@ def _check_logprobs(si: int, seq: Sequence, lps: Any, expected: np.ndarray, samp
 
 def _check_sequence(si: int, seq: Sequence, choices: Choices) -> list[tuple[str, int]]:
     """The (call_id, choice index) trained by ``seq``, once it is verified against their calls."""
-    ids, mask, lps = seq.packed()
+    try:
+        ids, mask, lps = seq.arrays()
+    except ValueError as e:  # values that are no token arrays, or lengths that differ
+        raise InvariantError(f"sequence {si}: {e}") from None
     n = len(ids)
-    if len(mask) != n or len(lps) != n:
-        raise InvariantError(f"sequence {si}: {n} token_ids, {len(mask)} loss_mask, {len(lps)} logprobs")
     if not seq.call_ids or len(seq.call_ids) != len(seq.choice_indices):
         raise InvariantError(
             f"sequence {si}: call_ids {seq.call_ids!r} and choice_indices {seq.choice_indices!r} "
@@ -192,8 +160,8 @@ def _check_sequence(si: int, seq: Sequence, choices: Choices) -> list[tuple[str,
         prev_end = end
     if prev_end != n:
         raise InvariantError(f"sequence {si}: {n - prev_end} trailing tokens after the last sampled output")
-    _check_mask(si, seq, mask, sampled)
-    expected = np.full(n, np.nan)
+    _check_mask(si, ids, mask, sampled)
+    expected = np.full(n, np.nan, LOGPROB_DTYPE)
     if engine:
         expected[np.frombuffer(covered, dtype=np.bool_)] = np.concatenate([values(b) for b in engine])
     _check_logprobs(si, seq, lps, expected, sampled, spans)

@@ -3,8 +3,8 @@
 Merge mode groups calls by agent and links each trained call choice into that agent's prefix tree
 (``tree``); every leaf's chain is one sequence. Per-call mode makes one sequence per call choice. Choices
 that cannot be trained on-policy are listed in ``Trajectory.excluded`` with the reason. Sequences are built
-from the calls' blobs as packed numpy arrays (ids of the blobs' type, int8 mask, float64 logprobs with NaN
-for None), which the routes serialize directly.
+from the calls' blobs as numpy arrays of ``tracegym.arrays``' types (ids of the blobs' width, int32 or int64;
+int8 mask; float64 logprobs with NaN for None), which the routes serialize directly.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
+from tracegym.arrays import LOGPROB_DTYPE, LOSS_MASK_DTYPE, TokenArrays
 from tracegym.gateway.traces.assembly.options import AssemblyOptions
 from tracegym.gateway.traces.assembly.rewards import discount_distances, discounted, step_rewards_by_call
 from tracegym.gateway.traces.assembly.tree import Node, chains, link
-from tracegym.gateway.traces.codec import ITEMSIZE
+from tracegym.gateway.traces.codec import DTYPES, ITEMSIZE
 from tracegym.gateway.traces.token_calls import (
-    DTYPES,
     TokenCall,
     TokenChoice,
     count,
@@ -102,12 +102,13 @@ def _sequence(chain: list[Node]) -> Sequence:
     tag = tags.pop() if len(tags) == 1 else _D  # float64 when the chain mixes types (or has none)
     joined = b"".join([payload(node.logprobs) if node.logprobs is not None and node.logprobs[0] == tag
                        else _logprob_values(node, tag) for node in chain])
-    logprobs = np.empty(n)
+    logprobs = np.empty(n, LOGPROB_DTYPE)
     logprobs.fill(np.nan)
     logprobs[np.frombuffer(mask, dtype=np.bool_)] = np.frombuffer(joined, dtype=DTYPES[tag])
-    return Sequence(token_ids, np.frombuffer(mask, dtype=np.int8), logprobs, last.call.agent_name,
-                    _versions(chain), [node.call.call_id for node in chain],
-                    [node.choice.index for node in chain], any(node.logprobs is None for node in chain))
+    arrays = TokenArrays(token_ids, np.frombuffer(mask, dtype=LOSS_MASK_DTYPE), logprobs)  # in its types
+    return Sequence.from_arrays(arrays, last.call.agent_name, _versions(chain),
+                                [node.call.call_id for node in chain], [node.choice.index for node in chain],
+                                any(node.logprobs is None for node in chain))
 
 
 def _logprob_values(node: Node, tag: int) -> bytes:

@@ -26,6 +26,8 @@ from tracegym.gateway.traces.store.schema import rollouts as R
 from tracegym.gateway.traces.store.span_insert import execute_values, rows_per_statement
 
 STATUSES = ("queued", "running", "completed", "failed", "adhoc")
+MAX_GROUP_IDS = 500
+"""The most groups one ``list_rollouts`` names (SQLite binds at most 32,766 parameters per statement)."""
 TimeLike = float | str | datetime | None
 
 
@@ -237,16 +239,21 @@ class RolloutsMixin:
         status: str | None = None,
         task_id: str | None = None,
         group_id: str | None = None,
+        group_ids: list[str] | None = None,
         since: TimeLike = None,
         until: TimeLike = None,
         limit: int = 100,
         cursor: str | None = None,
     ) -> tuple[list[dict], str | None]:
         """Newest first (by created_at); returns (rollouts, next_cursor or None). ``since``/``until`` bound
-        created_at (epoch seconds, ISO-8601 string or datetime). A bad argument raises ValueError."""
+        created_at (epoch seconds, ISO-8601 string or datetime); ``group_ids``: the rollouts of any of these
+        groups (at most ``MAX_GROUP_IDS``; a trainer follows its step's groups with one query). A bad
+        argument raises ValueError."""
         check_status(status)
         if not 1 <= limit <= 10_000:
             raise ValueError(f"limit must be between 1 and 10000, got {limit}")
+        if group_ids is not None and not 1 <= len(group_ids) <= MAX_GROUP_IDS:
+            raise ValueError(f"group_ids must name 1 to {MAX_GROUP_IDS} groups, got {len(group_ids)}")
         mark = _MARK[self.db.dialect]
         conds: list[str] = []
         params: list[Any] = []
@@ -254,6 +261,9 @@ class RolloutsMixin:
             if value is not None:
                 conds.append(f"{col} = {mark}")
                 params.append(value)
+        if group_ids:
+            conds.append(f"group_id IN ({', '.join([mark] * len(group_ids))})")
+            params += group_ids
         if (lo := to_epoch(since)) is not None:
             conds.append(f"created_at >= {mark}")
             params.append(lo)

@@ -88,6 +88,26 @@ def test_list_rollouts_route(client):
     assert _err(client.get("/api/rollouts", params={"colour": "red"}), 400)["param"] == "colour"
 
 
+def test_list_rollouts_of_several_groups(client):
+    """``group_ids``: the rollouts of any of the named groups in one query (the trainer's poll), paginated
+    like the rest; an empty list is absent, and more than 500 groups is a 400."""
+    made = client.post("/api/tasks", json={"tasks": [{"input": i, "group_id": f"g{i}"} for i in range(4)],
+                                           "group_size": 3}).json()["tasks"]
+    want = {r for t in made if t["group_id"] in ("g0", "g2") for r in t["rollout_ids"]}
+    got = client.get("/api/rollouts", params={"group_ids": "g0,g2,nope", "limit": 100}).json()
+    assert {r["rollout_id"] for r in got["rollouts"]} == want and got["next_cursor"] is None
+    repeated = client.get("/api/rollouts?group_ids=g0&group_ids=g2&limit=100").json()["rollouts"]
+    assert {r["rollout_id"] for r in repeated} == want
+    first = client.get("/api/rollouts", params={"group_ids": "g0,g2", "limit": 4}).json()
+    rest = client.get("/api/rollouts", params={"group_ids": "g0,g2", "cursor": first["next_cursor"]}).json()
+    assert {r["rollout_id"] for r in first["rollouts"] + rest["rollouts"]} == want
+    both = client.get("/api/rollouts", params={"group_ids": "g0,g1", "group_id": "g1"}).json()["rollouts"]
+    assert {r["group_id"] for r in both} == {"g1"}
+    assert len(client.get("/api/rollouts", params={"group_ids": ""}).json()["rollouts"]) == 12
+    err = _err(client.get("/api/rollouts", params={"group_ids": ",".join(f"x{i}" for i in range(501))}), 400)
+    assert "1 to 500 groups" in err["message"]
+
+
 def test_weight_versions_and_run_metrics(client):
     assert client.post("/api/weight_versions", json={"version": "v1", "step": 1, "path": "/w"}).status_code == 201
     assert [v["version"] for v in client.get("/api/weight_versions").json()["weight_versions"]] == ["v1"]

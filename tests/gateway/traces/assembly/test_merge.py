@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from datetime import UTC, datetime
 
 import numpy as np
@@ -286,12 +285,12 @@ def test_event_times_in_every_stored_form():
 
 def _packed_calls(arrays: bool) -> list[CallRecord]:
     calls = [call("c1", [1, 2, 3], [10, 11]), call("c2", [1, 2, 3, 10, 11, 50, 51], [12])]
-    if arrays:  # as the store's assembly read hands them out
+    if arrays:  # records holding numpy arrays (their blobs keep the arrays' types)
         for c in calls:
-            c.prompt_ids = array("i", c.prompt_ids)
+            c.prompt_ids = np.array(c.prompt_ids, dtype=np.int32)
             for ch in c.choices:
-                ch.output_ids = array("i", ch.output_ids)
-                ch.output_logprobs = array("d", ch.output_logprobs)
+                ch.output_ids = np.array(ch.output_ids, dtype=np.int32)
+                ch.output_logprobs = np.array(ch.output_logprobs, dtype=np.float64)
     return calls
 
 
@@ -300,16 +299,18 @@ def test_assembled_sequences_are_packed_and_read_as_lists(arrays):
     calls = _packed_calls(arrays)
     traj = assemble(calls, rollout_id="r1")
     seq = traj.sequences[0]
-    ids, mask, lps = seq.packed()
-    assert all(isinstance(a, np.ndarray) for a in (ids, mask, lps))
+    ids, mask, lps = seq.arrays()
     assert ids.dtype == np.int32 and mask.dtype == np.int8  # ids that fit int32 are packed so, as stored
+    assert lps.dtype == np.float64
+    assert all(a is b for a, b in zip(seq.arrays(), (ids, mask, lps), strict=True))  # held, not copied
     check_invariants(calls, traj)
-    assert all(isinstance(a, np.ndarray) for a in seq.packed())  # checked without making lists
+    assert all(a is b for a, b in zip(seq.arrays(), (ids, mask, lps), strict=True))  # checked without lists
     assert trajectory_json(traj) == orjson.dumps(traj.to_dict())  # arrays serialize as the lists would
     assert seq.token_ids == [1, 2, 3, 10, 11, 50, 51, 12]
     assert seq.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1]
     assert seq.logprobs == [None, None, None, -0.51, -0.511, None, None, -0.512]
-    assert type(seq.token_ids) is list and seq.packed()[0] is seq.token_ids  # made once, then kept
+    assert type(seq.token_ids) is list and seq.token_ids is seq.token_ids  # made once, then kept
+    assert seq.arrays().token_ids.tolist() == seq.token_ids  # from the list now
     listed = Sequence(**{k: v for k, v in seq.to_dict().items()})
     assert listed == seq and Trajectory.from_dict(orjson.loads(trajectory_json(traj))) == traj
 
@@ -330,9 +331,26 @@ def test_assembled_sequences_are_packed_and_read_as_lists(arrays):
 def test_check_invariants_verifies_packed_sequences(corrupt, message, arrays):
     calls = _packed_calls(arrays)
     traj = assemble(calls, rollout_id="r1")
-    corrupt(*traj.sequences[0].packed())  # the arrays themselves, before any list is made
+    corrupt(*traj.sequences[0].arrays())  # the arrays themselves (shared), before any list is made
     with pytest.raises(InvariantError, match=message):
         check_invariants(calls, traj)
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_arrays_of_an_assembled_and_a_list_built_sequence_agree(arrays):
+    """``Sequence.arrays()``: the assembly's arrays as held (ids of the blobs' width), a list-built copy's
+    converted (int64), with the same values; both pass the invariants."""
+    calls = _packed_calls(arrays)
+    traj = assemble(calls, rollout_id="r1")
+    listed = Trajectory.from_dict(orjson.loads(trajectory_json(traj)))
+    assert type(listed.sequences[0].token_ids) is list  # as parsed from JSON
+    for seq, other in zip(traj.sequences, listed.sequences, strict=True):
+        held, made = seq.arrays(), other.arrays()
+        assert held.token_ids.dtype == np.int32 and made.token_ids.dtype == np.int64
+        assert [a.dtype for a in held[1:]] == [a.dtype for a in made[1:]] == [np.int8, np.float64]
+        for a, b in zip(held, made, strict=True):
+            np.testing.assert_array_equal(a, b)
+    check_invariants(calls, listed)
 
 
 def test_packed_logprob_nan_reads_as_none_and_is_written_as_null():
@@ -348,7 +366,7 @@ def test_check_invariants_compares_ids_of_another_integer_type_by_value():
     calls = _packed_calls(arrays=True)
     traj = assemble(calls, rollout_id="r1")
     seq = traj.sequences[0]
-    wide = seq.packed()[0].astype(np.int64)
+    wide = seq.arrays().token_ids.astype(np.int64)
     seq.token_ids = wide
     check_invariants(calls, traj)
     for at, message in ((1, "prompt ids"), (4, "output ids")):

@@ -5,10 +5,10 @@ invariants always hold, merges are maximal, and ``check_invariants`` catches any
 from __future__ import annotations
 
 import itertools
-from array import array
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -369,14 +369,14 @@ def _as_arrays(calls: list[CallRecord]) -> list[CallRecord]:
         choices = [
             ChoiceRecord(
                 ch.index,
-                None if ch.output_ids is None else array("i", ch.output_ids),
-                None if ch.output_logprobs is None else array("d", ch.output_logprobs),
+                None if ch.output_ids is None else np.array(ch.output_ids, dtype=np.int32),
+                None if ch.output_logprobs is None else np.array(ch.output_logprobs, dtype=np.float64),
                 ch.finish_reason,
                 ch.message,
             )
             for ch in c.choices
         ]
-        prompt = None if c.prompt_ids is None else array("i", c.prompt_ids)
+        prompt = None if c.prompt_ids is None else np.array(c.prompt_ids, dtype=np.int32)
         out.append(replace(c, prompt_ids=prompt, choices=choices))
     return out
 
@@ -395,13 +395,13 @@ def test_array_token_ids_assemble_exactly_like_lists(calls, opts):
 @SETTINGS
 @given(rollouts(flags=False), st.data())
 def test_check_invariants_catches_any_corruption_of_array_records(calls, data):
-    """The same corruptions, on records with ``array`` ids and float32 logprobs (the store's assembly
-    read): the slice-wise check compares packed machine integers there."""
+    """The same corruptions, on records with numpy int32 ids and float32 logprobs (stored as ``i`` and ``f``
+    blobs): the slice-wise check compares packed machine integers there."""
     arrays = _as_arrays(calls)
     for c in arrays:
         for ch in c.choices:
             if ch.output_logprobs is not None:
-                ch.output_logprobs = array("f", ch.output_logprobs)
+                ch.output_logprobs = np.array(ch.output_logprobs, dtype=np.float32)
     traj = assemble(arrays, rollout_id="r")
     check_invariants(arrays, traj)
     seqs = [s for s in traj.sequences if s.token_ids]

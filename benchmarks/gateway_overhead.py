@@ -4,6 +4,7 @@ in one run, side by side. Prints p50/p99 latency and the added latency at concur
     python -m benchmarks.gateway_overhead [--store sqlite|none] [--requests 2000]
                                           [--op chat|completion|responses|messages] [--stream]
                                           [--apis] [--distinct] [--rollouts K] [--pin] [--durability-both]
+                                          [--durability commit|async]
 
 Processes: the fake (benchmarks/fake_sglang.py), the gateway (``tracegym serve``, one uvicorn worker,
 uvloop + httptools) and an aiohttp load generator (``loadgen`` mode of this script) each run on their
@@ -291,6 +292,8 @@ def main() -> None:
     p.add_argument("--pin", action="store_true", help="gateway on CPU 0, fake and load generator on CPU 1")
     p.add_argument("--durability-both", action="store_true",
                    help="chat through two gateways, --durability commit and async, side by side")
+    p.add_argument("--durability", choices=["commit", "async"], default="commit",
+                   help="the gateway's --durability (commit: answered once the span is committed, the default)")
     p.add_argument("--rollouts", type=int, default=0, metavar="K",
                    help="chat calls sent to /rollouts/bench-{i %% K}/v1 (attributed calls: the per-rollout prefix "
                         "cache plans and remembers each one)")
@@ -319,7 +322,8 @@ def main() -> None:
                                    log_path=tmp / "fake.log", cwd=REPO, timeout=120))
         procs.append(start_process([*pin_gw, sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport),
                                     "--upstream", f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store",
-                                    store, "--log-level", "warning"], port=gport, health_path="/healthz",
+                                    store, "--durability", a.durability, "--log-level", "warning"], port=gport,
+                                   health_path="/healthz",
                                    log_path=tmp / "gw.log", cwd=REPO, timeout=120))
         from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
@@ -330,7 +334,8 @@ def main() -> None:
         what = "chat, responses, messages (non-stream and stream)" if a.apis else (
             f"op={a.op}{' stream' if a.stream else ''}")
         print(f"load average {Path('/proc/loadavg').read_text().split()[0]} on {__import__('os').cpu_count()} cores; "
-              f"gateway overhead, {what}, recording={'on (SQLite store)' if a.store == 'sqlite' else 'off'}, "
+              f"gateway overhead, {what}, recording={'on (SQLite store)' if a.store == 'sqlite' else 'off'}"
+              f"{f', durability {a.durability}' if a.store == 'sqlite' else ''}, "
               f"{a.requests} requests per point, prompt {len(ids)} tokens"
               f"{', distinct user messages' if a.distinct else ''}"
               f"{f', attributed to {a.rollouts} rollouts' if a.rollouts else ''}{', pinned (gateway CPU 0, others CPU 1)' if a.pin else ''}")

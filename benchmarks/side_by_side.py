@@ -1,0 +1,188 @@
+"""This code against an earlier commit, side by side in one run: the gateway overhead, span ingest and
+assembly benchmarks of each tree, alternating (baseline, this, baseline, this, ...), so that drift of a
+shared machine hits both alike. Prints each pair, the medians, the ratios and the targets.
+
+    python -m benchmarks.side_by_side [--baseline 40fe324] [--rounds 3] [--only gateway,ingest,assembly]
+
+The baseline is the commit's tree (``git archive``) with a ``tracegym`` package put together as the
+editable install maps it (``sdk/`` with ``gateway/`` and ``trainer/`` inside), first on PYTHONPATH; each
+tree runs its own ``benchmarks/`` (so each measures with the benchmark code of its time: both print the
+rows read here). 40fe324 is the commit before the restructure of issue 13."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    argv: list[str]
+    read: Callable[[str], dict[str, float]]
+    targets: dict[str, dict[str, tuple[str, float]]]
+    """variant of this code → metric → (">=" or "<=", bound)."""
+    variants: tuple[tuple[str, list[str]], ...] = (("", []),)
+    """This code's runs: (label, extra arguments); the baseline runs with none."""
+
+
+def read_gateway(out: str) -> dict[str, float]:
+    """From ``benchmarks.gateway_overhead``: the gateway's req/s at c=32 and its added p50 at c=1."""
+    got: dict[str, float] = {}
+    for line in out.splitlines():
+        if m := re.search(r"\b(\d+) gateway\s+([\d.]+)\s+([\d.]+)", line):
+            got[f"gateway req/s c={m[1]}"] = float(m[2])
+        elif m := re.search(r"\b(\d+) direct\s+([\d.]+)", line):
+            got[f"direct req/s c={m[1]}"] = float(m[2])
+        elif m := re.search(r"\b(\d+) added\s+p50 ([+-][\d.]+) ms", line):
+            got[f"added p50 ms c={m[1]}"] = float(m[2])
+        elif "stored spans" in line:
+            got["stored spans ok"] = 1.0 if line.rstrip().endswith("OK") else 0.0
+    return got
+
+
+def read_ingest(out: str) -> dict[str, float]:
+    """From ``benchmarks.store_ingest``: spans/s end to end per store."""
+    return {f"{m[1]} spans/s": float(m[2]) for m in re.finditer(r"(?m)^(\S+)\s+end to end\s+([\d.]+) spans/s", out)}
+
+
+def read_assembly(out: str) -> dict[str, float]:
+    """From ``benchmarks.assembly``: fetch+assemble spans/s at 1x and at the larger size, and their time ratio."""
+    m = re.search(r"(?m)^\s+fetch\+assemble\s+([\d,]+)\s+([\d,]+)\s+([\d.]+)", out)
+    if not m:
+        return {}
+    return {"fetch+assemble spans/s 1x": float(m[1].replace(",", "")),
+            "fetch+assemble spans/s 10x": float(m[2].replace(",", "")), "time ratio 10x": float(m[3])}
+
+
+BENCHES = {
+    # The code before answered a call before its span was stored, as --durability async does; commit (answer
+    # once the span is committed, the default since) has its own targets (the durability benchmark's row).
+    "gateway": Bench("gateway overhead (chat, SQLite recording)", ["benchmarks.gateway_overhead"], read_gateway,
+                     {"async": {"added p50 ms c=1": ("<=", 1.0), "gateway req/s c=32": (">=", 2000.0)},
+                      "commit": {"added p50 ms c=1": ("<=", 1.5), "gateway req/s c=32": (">=", 2000.0)}},
+                     (("async", ["--durability", "async"]), ("commit", ["--durability", "commit"]))),
+    "ingest": Bench("span ingest, end to end", ["benchmarks.store_ingest", "--spans", "40000"], read_ingest,
+                    {"": {"sqlite spans/s": (">=", 30_000.0), "postgresql spans/s": (">=", 10_000.0)}}),
+    "assembly": Bench("trajectory assembly", ["benchmarks.assembly"], read_assembly,
+                      {"": {"fetch+assemble spans/s 10x": (">=", 50_000.0)}}),
+}
+
+
+def baseline_tree(commit: str, tmp: Path) -> tuple[Path, str]:
+    """The commit's files in ``tmp/src`` and a PYTHONPATH whose ``tracegym`` is that commit's package."""
+    src, pkg = tmp / "src", tmp / "path" / "tracegym"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], cwd=REPO, check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(src, filter="data")
+    shutil.copytree(src / "sdk", pkg, symlinks=True)
+    (pkg / "gateway").symlink_to(src / "gateway")
+    (pkg / "trainer").symlink_to(src / "trainer")
+    return src, os.pathsep.join([str(pkg.parent), str(src)])
+
+
+def run(bench: Bench, tree: Path, pythonpath: str | None, extra: list[str]) -> dict[str, float]:
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    proc = subprocess.run([sys.executable, "-m", *bench.argv, *extra], cwd=tree, env=env, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{bench.argv[0]} failed in {tree} ({proc.returncode}):\n{proc.stdout[-3000:]}"
+                         f"\n{proc.stderr[-3000:]}")
+    got = bench.read(proc.stdout)
+    if not got:
+        raise SystemExit(f"no result read from {bench.argv[0]} in {tree}:\n{proc.stdout[-3000:]}")
+    return got
+
+
+def which_tracegym(pythonpath: str | None, tree: Path) -> str:
+    """Where the tree's ``tracegym.gateway`` is imported from (a check that PYTHONPATH wins over the
+    editable install)."""
+    env = {**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
+    code = "import tracegym.gateway as g; print(g.__file__)"
+    return subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _report(before: list[dict[str, float]], this: list[dict[str, float]],
+            targets: dict[str, tuple[str, float]]) -> bool:
+    """Print each metric's medians and ratio, and whether this code meets its target; True if all met."""
+    ok = True
+    for key in this[0]:
+        b = statistics.median(x[key] for x in before if key in x) if any(key in x for x in before) else None
+        t = statistics.median(x[key] for x in this)
+        line = f"  {key:28s} before {b:>12,.3f}" if b is not None else f"  {key:28s} before {'-':>12}"
+        line += f"  this {t:>12,.3f}" + (f"  ratio {t / b:5.2f}" if b else "")
+        if key in targets:
+            op, bound = targets[key]
+            met = t >= bound if op == ">=" else t <= bound
+            ok &= met
+            line += f"  target {op} {bound:,g}: {'met' if met else 'NOT met'}"
+        print(line)
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", default="40fe324", help="the commit to compare with")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only", default="gateway,ingest,assembly", help="comma-separated: " + ", ".join(BENCHES))
+    args = p.parse_args(argv)
+    names = [n for n in args.only.split(",") if n]
+    if unknown := [n for n in names if n not in BENCHES]:
+        raise SystemExit(f"unknown benchmark {unknown}; choose from {sorted(BENCHES)}")
+
+    from benchmarks.machine import describe
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    tmp = Path(tempfile.mkdtemp(prefix="tg-side-by-side-"))
+    try:
+        base_src, base_path = baseline_tree(args.baseline, tmp)
+        before, this = f"{args.baseline} (before)", f"{head} (this)"
+        print(f"{before}: tracegym.gateway from {which_tracegym(base_path, base_src)}", flush=True)
+        print(f"{this}: tracegym.gateway from {which_tracegym(None, REPO)}", flush=True)
+        print(describe(), flush=True)
+        results: dict[str, dict[str, list[dict[str, float]]]] = {}
+        for name in names:
+            bench = BENCHES[name]
+            print(f"\n== {bench.name}: {' '.join(bench.argv)}", flush=True)
+            sides = [(before, base_src, base_path, [])]
+            sides += [(f"{this} {v}".rstrip(), REPO, None, extra) for v, extra in bench.variants]
+            for r in range(args.rounds):
+                for label, tree, path, extra in sides:
+                    got = run(bench, tree, path, extra)
+                    results.setdefault(name, {}).setdefault(label, []).append(got)
+                    shown = ", ".join(f"{k} {v:,.3f}" if abs(v) < 10 else f"{k} {v:,.0f}" for k, v in got.items())
+                    print(f"  round {r + 1} {label}: {shown}", flush=True)
+        print(f"\n{describe()}\nmedians of {args.rounds} rounds (ratio = this / before; targets on this code)")
+        ok = True
+        for name in names:
+            bench = BENCHES[name]
+            base = results[name][before]
+            for variant, _ in bench.variants:
+                label = f"{this} {variant}".rstrip()
+                print(f"{bench.name}{f', this code with {variant}' if variant else ''}")
+                ok &= _report(base, results[name][label], bench.targets.get(variant, {}))
+        return 0 if ok else 1
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

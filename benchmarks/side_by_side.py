@@ -18,11 +18,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from io import BytesIO
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,8 +85,7 @@ def baseline_tree(commit: str, tmp: Path) -> tuple[Path, str]:
     src, pkg = tmp / "src", tmp / "path" / "tracegym"
     src.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", commit], cwd=REPO, check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(src, filter="data")
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     shutil.copytree(src / "sdk", pkg, symlinks=True)
     (pkg / "gateway").symlink_to(src / "gateway")
     (pkg / "trainer").symlink_to(src / "trainer")

@@ -435,7 +435,8 @@ def train(
     store = recipe.store.replace("{run_dir}", str(run.path))
     recipe = recipe.model_copy(update={"run_dir": run.path, "store": store})
     print(f"run dir: {run.path}", file=sys.stderr, flush=True)
-    decide_cpu_bf16()  # one bf16-or-fp32 decision for this process, its engines and its Ray workers
+    if "bfloat16" in (recipe.optim.dtype, recipe.upstream.engine_dtype):  # else nothing asks: no timing
+        decide_cpu_bf16()  # one bf16-or-fp32 decision for this process, its engines and its Ray workers
     with start_infra(recipe, model_dir, recipe_dir) as infra:
         key_note = f" (admin key: {recipe.run_dir / 'admin_key'})" if infra.admin_key else ""
         print(f"trace inspector: {infra.gateway_url}/ui/runs/{quote(run.run_id, safe='')}{key_note}",

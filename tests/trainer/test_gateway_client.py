@@ -15,6 +15,7 @@ def test_refresh_follows_every_pending_group_in_one_request_per_page(tmp_path, m
     with TestClient(make_app(store)) as http:
         seen: list[dict] = []
         ctl = ControlClient("http://testserver")
+        ctl.client._http.close()  # its own client, replaced by the app's
         ctl.client._http = http
         get = ctl.client.get
 

@@ -22,7 +22,9 @@ CPU (bf16 autocast only where it is faster, ``trainer.models.cpu_compute_dtype``
 Time to the target: the sum of step times up to the first evaluation at or above ``--target``
 (evaluations and start-up left out on both sides, and reported apart). Ratio = product / bare; the
 issue's target is ≤ 1.3. The sides run one after the other (a side alone on the two cores); noise on a
-shared machine hits whichever runs then, so compare per-step medians as well as totals."""
+shared machine hits whichever runs then, so compare per-step medians as well as totals. Training time is
+also given per 1,000 tokens of the sequences trained: a step trains only the groups whose rewards differ,
+so the two sides' steps train different amounts."""
 
 from __future__ import annotations
 
@@ -136,12 +138,12 @@ class Bare:
         return [last_number_reward(self.tok.decode(c, skip_special_tokens=True), a)
                 for c, a in zip(completions, answers, strict=True)]
 
-    def train(self, prompts: list[list[int]], completions: list[list[int]], adv: list[float]) -> int:
-        """One update on the sequences with a non-zero advantage; the tokens trained."""
+    def train(self, prompts: list[list[int]], completions: list[list[int]], adv: list[float]) -> tuple[int, int]:
+        """One update on the sequences with a non-zero advantage; (tokens of those sequences, loss tokens)."""
         torch = self.torch
         keep = [i for i, a in enumerate(adv) if a != 0.0 and completions[i]]
         if not keep:
-            return 0
+            return 0, 0
         seqs = [prompts[i] + completions[i] for i in keep]
         width = max(len(s) for s in seqs)
         k = max(len(completions[i]) for i in keep) + 1
@@ -162,7 +164,7 @@ class Bare:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
-        return int(cmask.sum().item())
+        return sum(len(q) for q in seqs), int(cmask.sum().item())
 
     def evaluate(self, tasks: list[dict[str, Any]]) -> float:
         prompts = [self.prompt_ids(t["question"]) for t in tasks for _ in range(EVAL_SAMPLES)]
@@ -211,10 +213,11 @@ def run_bare(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         rewards = bare.rewards(completions, answers)
         gen_s = time.monotonic() - tg
         tt = time.monotonic()
-        tokens = bare.train(prompts, completions, grpo(rewards))
+        tokens, loss_tokens = bare.train(prompts, completions, grpo(rewards))
         train_s = time.monotonic() - tt
         steps.append({"step": step, "gen_s": gen_s, "train_s": train_s, "swap_s": 0.0,
-                      "step_s": gen_s + train_s, "reward": statistics.fmean(rewards), "tokens": tokens})
+                      "step_s": gen_s + train_s, "reward": statistics.fmean(rewards), "tokens": tokens,
+                      "loss_tokens": loss_tokens})
         print(f"  bare step {step}: gen {gen_s:.1f} s, train {train_s:.1f} s ({tokens} tokens), "
               f"reward {steps[-1]['reward']:.2f}", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
@@ -245,7 +248,8 @@ def run_product(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"tracegym train failed ({proc.returncode}):\n" + (work / "train.log").read_text()[-4000:])
         [metrics] = {m.resolve() for m in work.glob("runs/*/*/metrics.jsonl")}  # runs/<name>/latest links too
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        steps = [{"step": r["step"], **{k: float(r.get(k, 0.0)) for k in ("gen_s", "train_s", "swap_s", "step_s")},
+        keys = ("gen_s", "train_s", "swap_s", "step_s", "tokens", "loss_tokens")
+        steps = [{"step": r["step"], **{k: float(r.get(k, 0.0)) for k in keys},
                   "reward": float(r.get("reward_mean", 0.0))} for r in rows if r["kind"] == "train"]
         evals = [{"step": r["step"], "reward": float(r["reward_mean"]), "eval_s": float(r["eval_s"])}
                  for r in rows if r["kind"] == "eval"]
@@ -270,10 +274,20 @@ def time_to(side: dict[str, Any], target: float) -> float | None:
     return None
 
 
+def train_s_per_1k_tokens(steps: list[dict[str, Any]]) -> float | None:
+    """Training seconds per 1,000 tokens of the sequences trained, over all steps that trained. The sides
+    train different numbers of sequences per step (only groups whose rewards differ carry a signal, and
+    that depends on what each side sampled), so their median training step times alone do not compare."""
+    tokens = sum(s.get("tokens", 0.0) for s in steps)
+    return 1000 * sum(s["train_s"] for s in steps if s.get("tokens", 0.0) > 0) / tokens if tokens else None
+
+
 def summary(name: str, side: dict[str, Any], target: float) -> dict[str, Any]:
     steps = side["steps"]
     med = {k: statistics.median(s[k] for s in steps) for k in ("gen_s", "train_s", "swap_s", "step_s")}
     return {"side": name, **{f"median_{k}": v for k, v in med.items()}, "steps": len(steps),
+            "train_s_per_1k_tokens": train_s_per_1k_tokens(steps),
+            "tokens_per_step": statistics.fmean(s.get("tokens", 0.0) for s in steps),
             "startup_s": side["startup_s"], "eval_s": sum(e["eval_s"] for e in side["evals"]),
             "held_out": [(e["step"], round(e["reward"], 3)) for e in side["evals"]],
             "time_to_target_s": time_to(side, target)}
@@ -308,17 +322,23 @@ def main(argv: list[str] | None = None) -> int:
                 args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "sides": sides},
                                                indent=1, default=str))
     rows = [summary(n, s, args.target) for n, s in sides.items()]
-    print(f"\n{'side':8} {'gen s':>6} {'train s':>8} {'swap s':>7} {'step s':>7} {'start s':>8} "
-          f"{'eval s':>7} {'to ' + str(args.target):>9}  held-out (step, reward)")
+    print(f"\n{'side':8} {'gen s':>6} {'train s':>8} {'s/1k tok':>8} {'tok/step':>8} {'swap s':>7} {'step s':>7} "
+          f"{'start s':>8} {'eval s':>7} {'to ' + str(args.target):>9}  held-out (step, reward)")
     for r in rows:
         reach = f"{r['time_to_target_s']:.0f} s" if r["time_to_target_s"] is not None else "never"
-        print(f"{r['side']:8} {r['median_gen_s']:6.2f} {r['median_train_s']:8.2f} {r['median_swap_s']:7.2f} "
-              f"{r['median_step_s']:7.2f} {r['startup_s']:8.0f} {r['eval_s']:7.0f} {reach:>9}  {r['held_out']}")
+        per_1k = f"{r['train_s_per_1k_tokens']:.3f}" if r["train_s_per_1k_tokens"] is not None else "-"
+        print(f"{r['side']:8} {r['median_gen_s']:6.2f} {r['median_train_s']:8.2f} {per_1k:>8} "
+              f"{r['tokens_per_step']:8.0f} {r['median_swap_s']:7.2f} {r['median_step_s']:7.2f} "
+              f"{r['startup_s']:8.0f} {r['eval_s']:7.0f} {reach:>9}  {r['held_out']}")
     if len(rows) == 2:
         b, q = rows
         print(f"product / bare, median step time: {q['median_step_s'] / b['median_step_s']:.2f}x "
               f"(generation {q['median_gen_s'] / b['median_gen_s']:.2f}x, "
               f"training {q['median_train_s'] / b['median_train_s']:.2f}x)")
+        if b["train_s_per_1k_tokens"] and q["train_s_per_1k_tokens"]:
+            print(f"product / bare, training seconds per 1,000 tokens trained: "
+                  f"{q['train_s_per_1k_tokens'] / b['train_s_per_1k_tokens']:.2f}x "
+                  f"({q['tokens_per_step']:.0f} vs {b['tokens_per_step']:.0f} tokens per step)")
         if b["time_to_target_s"] and q["time_to_target_s"]:
             print(f"product / bare, time to held-out {args.target}: "
                   f"{q['time_to_target_s'] / b['time_to_target_s']:.2f}x (target <= 1.3)")

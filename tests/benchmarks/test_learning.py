@@ -1,0 +1,39 @@
+"""The learning benchmark's report: time to the target, and training time per 1,000 tokens trained."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.learning import grpo, summary, time_to, train_s_per_1k_tokens
+
+
+def _step(step: int, train_s: float, tokens: float, step_s: float = 10.0) -> dict[str, float]:
+    return {"step": step, "gen_s": step_s - train_s, "train_s": train_s, "swap_s": 0.0, "step_s": step_s,
+            "tokens": tokens, "loss_tokens": tokens / 3}
+
+
+def test_training_time_is_compared_per_token_trained() -> None:
+    # a side that trained twice the tokens in twice the time trains exactly as fast
+    few = [_step(1, 2.0, 1000), _step(2, 4.0, 2000)]
+    many = [_step(1, 4.0, 2000), _step(2, 8.0, 4000)]
+    assert train_s_per_1k_tokens(few) == pytest.approx(2.0)
+    assert train_s_per_1k_tokens(many) == pytest.approx(2.0)
+    # a step that trained nothing (every group's rewards equal) adds neither time nor tokens
+    assert train_s_per_1k_tokens([*few, _step(3, 0.01, 0)]) == pytest.approx(2.0)
+    assert train_s_per_1k_tokens([_step(1, 0.01, 0)]) is None
+
+
+def test_summary_and_time_to_target() -> None:
+    side = {"steps": [_step(1, 2.0, 1000), _step(2, 4.0, 3000), _step(3, 3.0, 2000)], "startup_s": 5.0,
+            "evals": [{"step": 0, "reward": 0.1, "eval_s": 3.0}, {"step": 2, "reward": 0.7, "eval_s": 3.0}]}
+    row = summary("bare", side, 0.6)
+    assert row["median_train_s"] == 3.0 and row["tokens_per_step"] == pytest.approx(2000)
+    assert row["train_s_per_1k_tokens"] == pytest.approx(1.5)
+    assert row["time_to_target_s"] == time_to(side, 0.6) == 20.0
+    assert time_to(side, 0.8) is None
+
+
+def test_grpo_drops_groups_whose_rewards_are_all_equal() -> None:
+    adv = grpo([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    assert adv[:4] == [0.0] * 4
+    assert adv[4] > 0 > adv[5] and sum(adv[4:]) == pytest.approx(0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,22 +54,27 @@ class ControlClient:
         out = self.client.enqueue_tasks(sent, group_size=group_size)
         return [Group(g["group_id"], g["task_id"], list(g["rollout_ids"]), split) for g in out]
 
+    def _rollouts_by_group(self, group_ids: list[str], **filters: Any) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+        """``(group_id, its rollouts)`` for each of ``group_ids``, in one request per 500 groups (a group id
+        with a comma in it is asked for alone: the list parameter is comma-separated)."""
+        ids = [gid for gid in group_ids if "," not in gid]
+        pages = [ids[i : i + MAX_GROUP_IDS] for i in range(0, len(ids), MAX_GROUP_IDS)]
+        for page in [*pages, *([gid] for gid in group_ids if "," in gid)]:
+            rows: dict[str, list[dict[str, Any]]] = {gid: [] for gid in page}
+            query = {"group_ids": ",".join(page)} if len(page) > 1 else {"group_id": page[0]}
+            for r in self.client.iter_rollouts(**query, **filters, limit=10_000):
+                rows[r["group_id"]].append(r)
+            yield from rows.items()
+
     def refresh(self, groups: list[Group]) -> None:
         """The statuses and rewards of the groups not done yet, in one request per 500 groups: the trainer
         polls while its engine generates, and each request costs the gateway and this process CPU that the
         engine's threads would otherwise have (a request per group took ~8% of the two cores in a step)."""
         pending = {g.group_id: g for g in groups if not g.done}
-        ids = [gid for gid in pending if "," not in gid]  # the list parameter is comma-separated
-        pages = [ids[i : i + MAX_GROUP_IDS] for i in range(0, len(ids), MAX_GROUP_IDS)]
-        for page in [*pages, *([gid] for gid in pending if "," in gid)]:
-            rows: dict[str, list[dict[str, Any]]] = {gid: [] for gid in page}
-            query = {"group_ids": ",".join(page)} if len(page) > 1 else {"group_id": page[0]}
-            for r in self.client.iter_rollouts(**query, limit=10_000):
-                rows[r["group_id"]].append(r)
-            for gid, rs in rows.items():
-                g = pending[gid]
-                g.statuses = {r["rollout_id"]: r["status"] for r in rs}
-                g.rewards = {r["rollout_id"]: r.get("reward") for r in rs if r["status"] == "completed"}
+        for gid, rs in self._rollouts_by_group(list(pending)):
+            g = pending[gid]
+            g.statuses = {r["rollout_id"]: r["status"] for r in rs}
+            g.rewards = {r["rollout_id"]: r.get("reward") for r in rs if r["status"] == "completed"}
 
     def wait(
         self, groups: list[Group], *, timeout: float, poll: float = 0.25,
@@ -88,8 +93,12 @@ class ControlClient:
             time.sleep(poll)
 
     def completed_rollouts(self, groups: list[Group]) -> list[dict[str, Any]]:
-        """The completed rollouts of ``groups`` as ``GET /api/rollouts/{id}`` shows them (with their events)."""
-        return [self.client.get_rollout(r) for g in groups for r in g.rollout_ids if g.statuses.get(r) == "completed"]
+        """The completed rollouts of ``groups`` as ``GET /api/rollouts/{id}`` shows them (with their rewards
+        and events), in one request per 500 groups."""
+        ids = {r for g in groups for r in g.rollout_ids if g.statuses.get(r) == "completed"}
+        out = [r for _, rs in self._rollouts_by_group([g.group_id for g in groups], status="completed",
+                                                     with_events=True) for r in rs]
+        return [r for r in out if r["rollout_id"] in ids]
 
     def trajectories(self, rollout_ids: list[str]) -> list[Trajectory]:
         out: list[Trajectory] = []

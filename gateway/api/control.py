@@ -244,12 +244,24 @@ class RolloutFilters(QueryModel):
     limit: int = Field(100, ge=1, le=10_000)
     cursor: str | None = None
     """The ``next_cursor`` of the previous page."""
+    with_events: bool = False
+    """Each rollout with its ``rewards`` and ``events``, as ``GET /api/rollouts/{id}`` shows them (one query
+    for the page instead of a request per rollout)."""
 
 
 @router.get("/rollouts", responses=error_responses(400))
 def list_rollouts(filters: Annotated[RolloutFilters, Query()], store: StoreDep) -> Response:
-    rollouts, cursor = _call(store.list_rollouts, **filters.model_dump())
+    rollouts, cursor = _call(store.list_rollouts, **filters.model_dump(exclude={"with_events"}))
+    if filters.with_events:
+        events = store.list_events_many([r["rollout_id"] for r in rollouts])
+        for r in rollouts:
+            _attach_events(r, events.get(r["rollout_id"], []))
     return _json({"rollouts": rollouts, "next_cursor": cursor})
+
+
+def _attach_events(rollout: dict, events: list[dict]) -> None:
+    rollout["rewards"] = [e for e in events if e["kind"] == "reward"]
+    rollout["events"] = [e for e in events if e["kind"] == "event"]
 
 
 def _rollout_or_404(store: Any, rollout_id: str) -> dict:
@@ -262,9 +274,7 @@ def _rollout_or_404(store: Any, rollout_id: str) -> dict:
 @router.get("/rollouts/{rollout_id}", responses=error_responses(400, 404))
 def get_rollout(rollout_id: RolloutId, store: StoreDep) -> Response:
     rollout = _rollout_or_404(store, rollout_id)
-    events = store.list_events(rollout_id)
-    rollout["rewards"] = [e for e in events if e["kind"] == "reward"]
-    rollout["events"] = [e for e in events if e["kind"] == "event"]
+    _attach_events(rollout, store.list_events(rollout_id))
     return _json(rollout)
 
 

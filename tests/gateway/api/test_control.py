@@ -108,6 +108,29 @@ def test_list_rollouts_of_several_groups(client):
     assert "1 to 500 groups" in err["message"]
 
 
+def test_list_rollouts_with_their_events(client):
+    """``with_events=true``: each listed rollout carries its ``rewards`` and ``events`` exactly as its own
+    ``GET /api/rollouts/{id}`` shows them; without it the rows have neither."""
+    made = client.post("/api/tasks", json={"tasks": [{"input": i, "group_id": f"e{i}"} for i in range(2)],
+                                           "group_size": 2}).json()["tasks"]
+    rids = [r for t in made for r in t["rollout_ids"]]
+    for rid, route, body in [(rids[0], "events", {"name": "tool_calls", "value": 2}),
+                             (rids[0], "rewards", {"value": 0.5}), (rids[3], "events", {"name": "done", "value": True})]:
+        r = client.post(f"/api/rollouts/{rid}/{route}", json={**body, "idempotency_key": f"{rid}-{route}"})
+        assert r.status_code == 201, r.text
+    listed = client.get("/api/rollouts", params={"group_ids": "e0,e1", "with_events": "true"}).json()["rollouts"]
+    assert len(listed) == 4
+    for row in listed:
+        one = client.get(f"/api/rollouts/{row['rollout_id']}").json()
+        assert (row["rewards"], row["events"]) == (one["rewards"], one["events"])
+    by_id = {r["rollout_id"]: r for r in listed}
+    assert [e["name"] for e in by_id[rids[0]]["events"]] == ["tool_calls"] and len(by_id[rids[0]]["rewards"]) == 1
+    assert by_id[rids[1]]["events"] == [] and by_id[rids[1]]["rewards"] == []
+    plain = client.get("/api/rollouts", params={"group_ids": "e0,e1"}).json()["rollouts"]
+    assert all("events" not in r and "rewards" not in r for r in plain)
+    _err(client.get("/api/rollouts", params={"with_events": "maybe"}), 400)
+
+
 def test_weight_versions_and_run_metrics(client):
     assert client.post("/api/weight_versions", json={"version": "v1", "step": 1, "path": "/w"}).status_code == 201
     assert [v["version"] for v in client.get("/api/weight_versions").json()["weight_versions"]] == ["v1"]

@@ -92,12 +92,17 @@ def baseline_tree(commit: str, tmp: Path) -> tuple[Path, str]:
     return src, os.pathsep.join([str(pkg.parent), str(src)])
 
 
-def run(bench: Bench, tree: Path, pythonpath: str | None, extra: list[str]) -> dict[str, float]:
+def tree_env(pythonpath: str | None) -> dict[str, str]:
+    """This environment with ``pythonpath`` (the baseline's package; None for this tree) first on PYTHONPATH."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", *bench.argv, *extra], cwd=tree, env=env, capture_output=True,
-                          text=True)
+    return env
+
+
+def run(bench: Bench, tree: Path, pythonpath: str | None, extra: list[str]) -> dict[str, float]:
+    proc = subprocess.run([sys.executable, "-m", *bench.argv, *extra], cwd=tree, env=tree_env(pythonpath),
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{bench.argv[0]} failed in {tree} ({proc.returncode}):\n{proc.stdout[-3000:]}"
                          f"\n{proc.stderr[-3000:]}")
@@ -110,10 +115,9 @@ def run(bench: Bench, tree: Path, pythonpath: str | None, extra: list[str]) -> d
 def which_tracegym(pythonpath: str | None, tree: Path) -> str:
     """Where the tree's ``tracegym.gateway`` is imported from (a check that PYTHONPATH wins over the
     editable install)."""
-    env = {**os.environ, **({"PYTHONPATH": pythonpath} if pythonpath else {})}
     code = "import tracegym.gateway as g; print(g.__file__)"
-    return subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run([sys.executable, "-c", code], cwd=tree, env=tree_env(pythonpath), capture_output=True,
+                          text=True, check=True).stdout.strip()
 
 
 def _report(before: list[dict[str, float]], this: list[dict[str, float]],

@@ -95,10 +95,9 @@ class ControlClient:
     def completed_rollouts(self, groups: list[Group]) -> list[dict[str, Any]]:
         """The completed rollouts of ``groups`` as ``GET /api/rollouts/{id}`` shows them (with their rewards
         and events), in one request per 500 groups."""
-        ids = {r for g in groups for r in g.rollout_ids if g.statuses.get(r) == "completed"}
-        out = [r for _, rs in self._rollouts_by_group([g.group_id for g in groups], status="completed",
-                                                     with_events=True) for r in rs]
-        return [r for r in out if r["rollout_id"] in ids]
+        done = {r for g in groups for r in g.rollout_ids if g.statuses.get(r) == "completed"}  # as of refresh
+        pages = self._rollouts_by_group([g.group_id for g in groups], status="completed", with_events=True)
+        return [r for _, rs in pages for r in rs if r["rollout_id"] in done]
 
     def trajectories(self, rollout_ids: list[str]) -> list[Trajectory]:
         out: list[Trajectory] = []

@@ -199,7 +199,7 @@ def _http_kwargs(config: SDKConfig) -> dict[str, Any]:
 
 def _retry_reason(outcome: httpx.Response | httpx.TransportError, idempotent: bool) -> str | None:
     """Why this try should be repeated (the "last error" of the final message), or None when its outcome
-    stands: a response is then checked (``_check``), a transport error raised (``_not_retried``).
+    stands: a response is then checked (``_check``), a transport error raised.
     A request the gateway does not deduplicate is repeated only when it was never sent."""
     if isinstance(outcome, httpx.TransportError):
         if idempotent or isinstance(outcome, UNSENT_ERRORS):
@@ -210,11 +210,47 @@ def _retry_reason(outcome: httpx.Response | httpx.TransportError, idempotent: bo
     return None
 
 
-def _not_retried(cfg: SDKConfig, what: str, e: httpx.TransportError) -> GatewayUnreachableError:
-    return GatewayUnreachableError(
-        f"{what}: no answer from the tracegym gateway at {cfg.gateway_url} ({type(e).__name__}: {e}); "
-        "not retried, since the gateway may have acted on the request and does not deduplicate it"
-    )
+class _Tries:
+    """The retry policy of one request, for the blocking and the asyncio client alike: ``waits`` gives the
+    pause before each try (0 before the first), ``settle`` judges each try's outcome, and ``give_up`` is
+    the error once the tries are spent. The clients only send and sleep, each in its own way::
+
+        for wait in tries.waits():
+            sleep(wait)
+            if (resp := tries.settle(send())) is not None:
+                return resp
+        raise tries.give_up()
+    """
+
+    __slots__ = ("config", "idempotent", "last", "what")
+
+    def __init__(self, config: SDKConfig, what: str, idempotent: bool) -> None:
+        self.config, self.what, self.idempotent = config, what, idempotent
+        self.last = "none"
+
+    def waits(self) -> Iterator[float]:
+        """Seconds to wait before each try: 0, then the policy's delays with jitter."""
+        yield 0.0
+        for delay in self.config.retry.delays():
+            yield _jitter(delay)
+
+    def settle(self, outcome: httpx.Response | httpx.TransportError) -> httpx.Response | None:
+        """The checked response of a try that stands (``_check`` raises for an error answer), or None to
+        try again. A transport error on a request that must not be repeated raises at once."""
+        reason = _retry_reason(outcome, self.idempotent)
+        if reason is not None:
+            self.last = reason
+            return None
+        if isinstance(outcome, httpx.TransportError):
+            raise GatewayUnreachableError(
+                f"{self.what}: no answer from the tracegym gateway at {self.config.gateway_url} "
+                f"({type(outcome).__name__}: {outcome}); not retried, since the gateway may have acted on the "
+                "request and does not deduplicate it"
+            ) from outcome
+        return _check(outcome, self.what)
+
+    def give_up(self) -> GatewayUnreachableError:
+        return _give_up(self.config, self.what, self.last)
 
 
 def _give_up(cfg: SDKConfig, what: str, last: str) -> GatewayUnreachableError:
@@ -245,22 +281,18 @@ class GatewayClient:
     def request(
         self, method: str, path: str, what: str, *, idempotent: bool = True, **kw: Any
     ) -> httpx.Response:
-        last = "none"
-        for delay in [0.0, *self.config.retry.delays()]:
-            if delay:
-                time.sleep(_jitter(delay))
-            try:
-                resp = self._http.request(method, path, **kw)
-            except httpx.TransportError as e:
-                if (reason := _retry_reason(e, idempotent)) is None:
-                    raise _not_retried(self.config, what, e) from e
-                last = reason
-                continue
-            if (reason := _retry_reason(resp, idempotent)) is not None:
-                last = reason
-                continue
-            return _check(resp, what)
-        raise _give_up(self.config, what, last)
+        tries = _Tries(self.config, what, idempotent)
+        for wait in tries.waits():
+            time.sleep(wait)
+            if (resp := tries.settle(self._send(method, path, kw))) is not None:
+                return resp
+        raise tries.give_up()
+
+    def _send(self, method: str, path: str, kw: dict[str, Any]) -> httpx.Response | httpx.TransportError:
+        try:
+            return self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            return e
 
     def post(self, path: str, body: dict[str, Any], what: str, *, idempotent: bool = True) -> Any:
         """POST ``body``; pass ``idempotent=False`` unless the gateway dedups a repeat (see the module doc)."""
@@ -330,22 +362,18 @@ class AsyncGatewayClient:
 
     async def post(self, path: str, body: dict[str, Any], what: str, *, idempotent: bool = True) -> Any:
         """POST ``body``; pass ``idempotent=False`` unless the gateway dedups a repeat (see the module doc)."""
-        last = "none"
-        for delay in [0.0, *self.config.retry.delays()]:
-            if delay:
-                await asyncio.sleep(_jitter(delay))
-            try:
-                resp = await self._http.post(path, json=body)
-            except httpx.TransportError as e:
-                if (reason := _retry_reason(e, idempotent)) is None:
-                    raise _not_retried(self.config, what, e) from e
-                last = reason
-                continue
-            if (reason := _retry_reason(resp, idempotent)) is not None:
-                last = reason
-                continue
-            return _check(resp, what).json()
-        raise _give_up(self.config, what, last)
+        tries = _Tries(self.config, what, idempotent)
+        for wait in tries.waits():
+            await asyncio.sleep(wait)
+            if (resp := tries.settle(await self._send(path, body))) is not None:
+                return resp.json()
+        raise tries.give_up()
+
+    async def _send(self, path: str, body: dict[str, Any]) -> httpx.Response | httpx.TransportError:
+        try:
+            return await self._http.post(path, json=body)
+        except httpx.TransportError as e:
+            return e
 
     async def add_event(self, rollout_id: str, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         what = f"send {kind[:-1]} for {rollout_id}"

@@ -1,0 +1,429 @@
+"""The engine's one model thread: dynamic batching with a shared KV cache, pause/abort, weight swaps.
+
+Batching policy: requests wait in a FIFO queue; at every step boundary (before each decode step) waiting
+requests are admitted up to ``max_batch_size``: they are prefilled together, their first token sampled,
+and their cache rows merged into the running batch, which then decodes one token per row per step.
+Finished rows leave at once. So a request arriving mid-batch joins at the next step, not the next batch.
+
+Control operations (abort, pause, continue, weight update) are commands run by this thread between two
+steps, so the model is never modified under a running forward pass. A weight update on an unpaused
+server behaves like SGLang's writer lock: requests submitted before it finish first, later ones wait for
+the swap; on a paused server it runs at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from tracegym.engine import kv_batch as kvb
+from tracegym.engine.request import ABORTED, ABORTED_WAITING, GenRequest
+from tracegym.engine.sampling import sample_rows, top_logprobs
+from tracegym.engine.weights import apply_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    max_batch_size_seen: int = 0
+    requests_served: int = 0
+    requests_aborted: int = 0
+    prefill_batches: int = 0
+    decode_steps: int = 0
+    tokens_generated: int = 0
+    weight_updates: int = 0
+
+
+@dataclass
+class _PendingSwap:
+    state: dict[str, torch.Tensor]
+    version: str | None
+    future: Future
+    barrier: int  # requests with seq < barrier are served with the old weights first
+    aborted: int  # requests aborted for this update (abort_all_requests)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Tokenizer,
+        *,
+        device: torch.device,
+        max_batch_size: int,
+        weight_version: str,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.weight_version = weight_version
+        self.autocast_dtype = autocast_dtype
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.stats = EngineStats()
+        self.paused = False
+        self.frozen = False  # paused in place: running rows keep their cache but do not step
+        self._cv = threading.Condition()
+        self._incoming: deque[GenRequest] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._stopping = False
+        self._closed = False  # the model thread has ended: nothing will serve new requests or commands
+        self._seq = itertools.count()
+        self._waiting: deque[GenRequest] = deque()
+        self._running: list[GenRequest] = []
+        self._batch: kvb.KVBatch | None = None
+        self._swap: _PendingSwap | None = None
+        self.row_hook: Callable[[list[GenRequest]], None] | None = None
+        """Called on the model thread with the requests of each forward's rows, in row order (LoRA)."""
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+
+    # ---------------------------------------------------------------- called from other threads
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        """The model thread is running (it only ends at ``stop()`` or on an internal error)."""
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Abort everything and end the model thread (which then fails whatever is still queued)."""
+        if not self.alive():
+            return
+        fut = self._command(lambda: self._abort_where(lambda r: True))
+        with contextlib.suppress(Exception):
+            fut.result(timeout=10)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    def submit(self, reqs: list[GenRequest]) -> None:
+        with self._cv:
+            for r in reqs:
+                r.seq = next(self._seq)
+                self._incoming.append(r)
+            self._cv.notify_all()
+            closed = self._closed
+        if closed:
+            self._fail_orphans(RuntimeError("the engine's model thread is not running"))
+
+    def abort(self, rid: str = "", *, abort_all: bool = False, exact: bool = False) -> Future:
+        """Abort the requests whose rid starts with ``rid`` (SGLang's prefix rule; equals it with
+        ``exact``), or all of them."""
+
+        def match(r: GenRequest) -> bool:
+            return abort_all or (bool(rid) and (r.rid == rid if exact else r.rid.startswith(rid)))
+
+        return self._command(lambda: self._abort_where(match))
+
+    def pause(self, mode: str) -> Future:
+        return self._command(lambda: self._pause(mode))
+
+    def resume(self) -> Future:
+        return self._command(self._resume)
+
+    def update_weights(self, state: dict[str, torch.Tensor], version: str | None, abort_all: bool) -> Future:
+        """Resolves with the number of requests that were aborted for it once the new weights serve."""
+        fut: Future = Future()
+
+        def run() -> None:
+            if self._swap is not None:
+                raise RuntimeError("another weight update is in progress")
+            aborted = self._abort_where(lambda r: True) if abort_all else 0
+            self._swap = _PendingSwap(state, version, fut, barrier=next(self._seq), aborted=aborted)
+            self._swap_if_ready()
+            if not fut.done():
+                log.info(
+                    "weight update waits for %d in-flight requests", len(self._running) + len(self._waiting)
+                )
+
+        def forward_error(cmd: Future) -> None:
+            err = cmd.exception()
+            if err is not None and not fut.done():
+                fut.set_exception(err)
+
+        self._command(run).add_done_callback(forward_error)
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the model thread between forwards (LoRA loads, the weight-version label)."""
+        return self._command(fn)
+
+    def busy(self) -> bool:
+        """Requests are running or queued (held requests of a paused server do not count)."""
+        with self._cv:
+            return bool(self._running) or (not self.paused and bool(self._waiting or self._incoming))
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                **asdict(self.stats),
+                "running_requests": len(self._running),
+                "waiting_requests": len(self._waiting) + len(self._incoming),
+                "paused": self.paused,
+                "max_batch_size": self.max_batch_size,
+                "weight_version": self.weight_version,
+            }
+
+    def _command(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            self._commands.append((fn, fut))
+            self._cv.notify_all()
+            closed = self._closed
+        if closed:
+            self._fail_orphans(RuntimeError("the engine's model thread is not running"))
+        return fut
+
+    @staticmethod
+    def _run_command(fn: Callable[[], Any], fut: Future) -> None:
+        try:
+            fut.set_result(fn())
+        except Exception as e:  # handed to the caller through the future
+            fut.set_exception(e)
+
+    # ---------------------------------------------------------------- the model thread
+
+    def _has_work(self) -> bool:
+        return (
+            self._stopping
+            or bool(self._commands or self._incoming)
+            or (bool(self._running) and not self.frozen)
+            or (not self.paused and bool(self._admissible()))
+        )
+
+    def _loop(self) -> None:
+        err = RuntimeError("the engine stopped")
+        try:
+            with torch.inference_mode():
+                self._serve()
+        except BaseException as e:
+            # Not expected (steps and swaps handle their own errors), but whatever ends this thread must
+            # not leave callers waiting for requests or commands nobody will serve.
+            log.exception("the engine's model thread died")
+            err = RuntimeError(f"the engine's model thread died: {e!r}")
+        with self._cv:
+            self._closed = True
+        self._fail_orphans(err)
+
+    def _serve(self) -> None:
+        while True:
+            with self._cv:
+                while not self._has_work():
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                commands, self._commands = list(self._commands), deque()
+                self._waiting.extend(self._incoming)
+                self._incoming.clear()
+            for fn, fut in commands:
+                self._run_command(fn, fut)
+            try:
+                self._admit()
+                self._step()
+            except Exception as e:
+                log.exception("engine step failed")
+                self._fail_running(e)
+            try:
+                self._swap_if_ready()
+            except Exception as e:  # defensive: ``_swap_if_ready`` fails its swap itself
+                log.exception("weight swap failed")
+                self._fail_swap(e)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _admissible(self) -> list[GenRequest]:
+        room = self.max_batch_size - len(self._running)
+        if room <= 0:
+            return []
+        barrier = self._swap.barrier if self._swap else None
+        return [r for r in itertools.islice(self._waiting, room) if barrier is None or r.seq < barrier]
+
+    def _admit(self) -> None:
+        if self.paused:
+            return
+        new = self._admissible()
+        if not new:
+            return
+        for r in new:
+            self._waiting.remove(r)
+        zero = [r for r in new if r.params.max_new_tokens == 0]
+        for r in zero:
+            r.finish_reason = {"type": "length", "length": 0}
+            self._deliver(r)
+        new = [r for r in new if r.params.max_new_tokens > 0]
+        if not new:
+            return
+        try:
+            # Neither step touches the running batch, so a failure here fails the new requests only.
+            if self.row_hook is not None:
+                self.row_hook(new)
+            with self._autocast():
+                batch, logits = kvb.prefill(self.model, [r.input_ids for r in new], self.device)
+            merged = batch if self._batch is None else kvb.merge(self._batch, batch, self.model.config)
+        except Exception as e:
+            log.exception("prefill of %d requests failed", len(new))
+            self._fail(new, e)
+            return
+        self.stats.prefill_batches += 1
+        self._batch = merged
+        self._running.extend(new)
+        self._advance(new, logits)
+        self._retire()
+
+    def _step(self) -> None:
+        if not self._running or self.frozen or self._batch is None:
+            return
+        self.stats.max_batch_size_seen = max(self.stats.max_batch_size_seen, len(self._running))
+        if self.row_hook is not None:
+            self.row_hook(self._running)
+        with self._autocast():
+            logits = kvb.decode(self.model, self._batch, [r.output_ids[-1] for r in self._running])
+        self.stats.decode_steps += 1
+        self._advance(self._running, logits)
+        self._retire()
+
+    def _advance(self, reqs: list[GenRequest], logits: torch.Tensor) -> None:
+        """Append one sampled token to each running request; the ones that finish are delivered by
+        ``_retire``."""
+        tokens, lps, matrix = sample_rows(
+            logits, [r.params for r in reqs], [r.generator for r in reqs], [r.banned_ids() for r in reqs]
+        )
+        self.stats.tokens_generated += len(tokens)
+        for i, r in enumerate(reqs):
+            top = top_logprobs(matrix[i], r.top_logprobs_num) if r.top_logprobs_num else None
+            r.append(tokens[i], lps[i], top)
+            r.check_finish(self.tokenizer, self.max_positions)
+            if not r.finished and r.stream and len(r.output_ids) % r.params.stream_interval == 0:
+                self._notify(r, False)
+
+    def _deliver(self, r: GenRequest) -> None:
+        if r.finish_reason and r.finish_reason["type"] == "abort":
+            self.stats.requests_aborted += 1
+        else:
+            self.stats.requests_served += 1
+        self._notify(r, True)
+
+    @staticmethod
+    def _notify(r: GenRequest, final: bool) -> None:
+        """Hand an update to the request's owner; a failing callback (e.g. its event loop closed at
+        shutdown) is logged and must not take the model thread down with it."""
+        try:
+            r.on_update(r, final)
+        except Exception:
+            log.exception("delivering an update of request %s failed", r.rid)
+
+    def _retire(self) -> None:
+        """Take the finished requests out of the running batch, then deliver them. In this order, a client
+        holding its final response is never still counted as running (``snapshot``, ``busy``): callers that
+        wait for their request to run, or for the engine to be idle, rely on it."""
+        done = [r for r in self._running if r.finished]
+        if not done:
+            return
+        keep = [i for i, r in enumerate(self._running) if not r.finished]
+        self._running = [self._running[i] for i in keep]
+        try:
+            if keep and self._batch is not None:
+                self._batch = kvb.select(self._batch, keep, self.model.config)
+            else:
+                self._batch = None
+        except Exception as e:
+            # The kept rows' cache is gone with the batch: they fail; the finished ones keep their result.
+            log.exception("dropping %d finished rows from the batch failed", len(done))
+            self._fail_running(e)
+        for r in done:
+            self._deliver(r)
+
+    def _abort_where(self, pred: Callable[[GenRequest], bool]) -> int:
+        with self._cv:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+        n = 0
+        for r in [r for r in self._running if not r.finished and pred(r)]:
+            r.abort(ABORTED)
+            n += 1
+        self._retire()
+        for r in [r for r in self._waiting if pred(r)]:
+            self._waiting.remove(r)
+            r.abort(ABORTED_WAITING)
+            self._deliver(r)
+            n += 1
+        return n
+
+    def _fail(self, reqs: list[GenRequest], err: Exception) -> None:
+        for r in reqs:
+            if not r.finished:
+                r.finish_reason = {"type": "abort", "message": f"engine error: {err}", "status_code": 500,
+                                   "err_type": None}  # SGLang's FINISH_ABORT always has the key
+                self._deliver(r)
+
+    def _fail_running(self, err: Exception) -> None:
+        running, self._running, self._batch = self._running, [], None
+        self._fail(running, err)
+
+    def _fail_orphans(self, err: Exception) -> None:
+        """Fail every request, command and pending swap left behind by the model thread (only called once
+        it has ended its loop, so nothing else steps these requests)."""
+        with self._cv:
+            orphans = [*self._running, *self._waiting, *self._incoming]
+            self._running, self._batch = [], None
+            self._waiting.clear()
+            self._incoming.clear()
+            commands, self._commands = list(self._commands), deque()
+        self._fail(orphans, err)
+        self._fail_swap(err)
+        for _, fut in commands:
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _fail_swap(self, err: Exception) -> None:
+        with self._cv:
+            swap, self._swap = self._swap, None
+        if swap is not None and not swap.future.done():
+            swap.future.set_exception(err)
+
+    def _pause(self, mode: str) -> int:
+        if mode not in ("abort", "in_place"):
+            raise ValueError(f"pause mode {mode!r} is not supported by the embedded engine (abort, in_place)")
+        aborted = self._abort_where(lambda r: True) if mode == "abort" else 0
+        self.paused, self.frozen = True, mode == "in_place"
+        return aborted
+
+    def _resume(self) -> None:
+        self.paused = self.frozen = False
+
+    def _swap_if_ready(self) -> None:
+        s = self._swap
+        if s is None:
+            return
+        earlier = any(r.seq < s.barrier for r in self._waiting)
+        if not self.paused and (self._running or earlier):
+            return
+        try:
+            apply_state(self.model, s.state)
+        except Exception as e:
+            # Keep serving, with the old weights: ``apply_state`` stages every tensor before copying any.
+            log.exception("applying the new weights failed")
+            self._fail_swap(e)
+            return
+        if s.version is not None:
+            self.weight_version = s.version
+        self.stats.weight_updates += 1
+        self._swap = None
+        s.future.set_result(s.aborted)

@@ -1,0 +1,127 @@
+"""Loading a prepared model with torch: the device, the dtype (and whether this CPU computes bf16 fast
+enough to use it), and the transformers model itself."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str | None, device: str) -> Any:
+    """``float32``/``bfloat16``/``float16`` (or ``None``: bf16 on CUDA, fp32 on CPU) as a torch dtype."""
+    import torch
+
+    if dtype is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(table)}")
+    return table[dtype]
+
+
+def cpu_compute_dtype(dtype: Any) -> Any:
+    """``dtype`` for compute on this machine's CPU: bf16 becomes fp32 where bf16 runs a transformer slower
+    than fp32 (``cpu_bf16_is_fast``: CPUs without AMX, where a bf16 matmul can be many times slower).
+    Results stay correct in fp32, only bf16's memory saving is lost."""
+    import torch
+
+    if dtype is torch.bfloat16 and not cpu_bf16_is_fast():
+        if os.environ.get(CPU_BF16_ENV) == "slow":
+            log.info("computing in float32: $%s=slow (bfloat16 is slower on this CPU)", CPU_BF16_ENV)
+        else:
+            log.warning("this CPU runs bfloat16 slower than float32 (bf16/fp32 time %.2f on a small Llama): "
+                        "computing in float32", bf16_slowdown())
+        return torch.float32
+    return dtype
+
+
+CPU_BF16_ENV = "TRACEGYM_CPU_BF16"
+"""``fast`` or ``slow``: decides ``cpu_bf16_is_fast`` without timing. ``tracegym train`` times once and sets it
+for the processes it starts, so its engines and trainer workers compute in one dtype: each process timing
+on its own can land on either side when bf16 and fp32 run about as fast."""
+
+
+def decide_cpu_bf16() -> None:
+    """``cpu_bf16_is_fast`` once for this process and the ones it starts (sets ``$TRACEGYM_CPU_BF16``, unless
+    it is set already); nothing on a machine with CUDA, whose processes compute on the GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ[CPU_BF16_ENV] = "fast" if cpu_bf16_is_fast() else "slow"
+
+
+def cpu_bf16_is_fast() -> bool:
+    """Whether bf16 runs a transformer at least as fast as fp32 on this CPU: never without oneDNN's bf16
+    kernels (they need AVX-512; torch's fallback is tens of times slower), else timed (``bf16_slowdown``);
+    ``$TRACEGYM_CPU_BF16`` set to ``fast``/``slow`` decides instead."""
+    import torch
+
+    forced = os.environ.get(CPU_BF16_ENV)
+    if forced:
+        if forced not in ("fast", "slow"):
+            raise ValueError(f"${CPU_BF16_ENV} must be 'fast' or 'slow', got {forced!r}")
+        return forced == "fast"
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+    except (AttributeError, RuntimeError):
+        pass
+    return bf16_slowdown() <= 1.0
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_slowdown() -> float:
+    """bf16 time / fp32 time of forwards through a small random Llama (SmolLM2's widths, 2 layers) at the
+    shapes an engine and a trainer run: one-token decode steps of 1 and 16 rows and a 16 x 40 prefill.
+    Timed once per process; where the CPU has AMX, bf16 wins, where it has only AVX-512 or AVX2, it
+    loses."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=4096, max_position_embeddings=256)
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randint(0, cfg.vocab_size, shape, generator=gen) for shape in ((1, 1), (16, 1), (16, 40))]
+
+    def timed(model: Any) -> float:
+        with torch.inference_mode():
+            for ids in inputs:  # warm-up
+                model(input_ids=ids, logits_to_keep=1)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                for ids in inputs:
+                    model(input_ids=ids, logits_to_keep=1)
+            return time.perf_counter() - t0
+
+    model = LlamaForCausalLM(cfg).eval()
+    fp32 = timed(model)
+    return timed(model.to(torch.bfloat16)) / max(fp32, 1e-9)
+
+
+def load_model(path: str | Path, *, device: str = "cpu", dtype: Any = None) -> Any:
+    """A transformers causal LM from ``path`` on ``device`` in ``dtype`` (a torch dtype or its name), in eval
+    mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = dtype if dtype is not None and not isinstance(dtype, str) else resolve_dtype(dtype, device)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    return model.to(device).eval()

@@ -1,0 +1,97 @@
+"""What a run prints and leaves behind, as pure functions: the live line's labels, the ETA, a line every
+10 s when the output is not a terminal, and the summary read from the run's own rows (issue 20)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from tracegym.trainer.run.report import (
+    StepProgress,
+    eta_seconds,
+    evals_left,
+    fmt_duration,
+    live_label,
+    read_metrics,
+    summary_table,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_live_label_names_the_evaluation_not_a_step_past_the_end() -> None:
+    # the final evaluation of a 2-step run used to read "step 3/2 | generating 79/128"
+    assert live_label(step=2, total=2, evaluating=True, done=79, n=128, elapsed_s=12) == (
+        "eval @ step 2 | generating 79/128 | 12s"
+    )
+    assert live_label(step=0, total=36, evaluating=True, done=0, n=128, elapsed_s=0).startswith("eval @ step 0")
+    assert live_label(step=2, total=36, evaluating=False, done=5, n=32, elapsed_s=75) == (
+        "step 3/36 | generating 5/32 | 1m15s"
+    )
+
+
+def test_eta_after_one_step_is_that_step_times_the_steps_left_plus_the_evaluations() -> None:
+    # the first ETA of the quickstart read 216m31s: it divided the time since start-up (model load and the
+    # first evaluation included) by one step. Now: the step's own time, plus the evaluations to come.
+    out = io.StringIO()
+    p = StepProgress(36, out=out, eval_interval=18, clock=Clock())
+    p.evaluated("eval @ step 0: ...", 10.0)
+    p.step(1, {"reward_mean": 0.1, "step_s": 5.0})
+    assert evals_left(1, 36, 18) == 2  # after step 18, and the final one
+    assert eta_seconds([5.0], 35, eval_s=10.0, evals=2) == 5.0 * 35 + 20
+    assert out.getvalue().splitlines()[-1].endswith("| eta 3m15s")
+    assert fmt_duration(195) == "3m15s" and fmt_duration(7500) == "2h05m" and fmt_duration(9.6) == "10s"
+
+
+def test_eta_is_a_moving_average_of_the_last_steps() -> None:
+    assert eta_seconds([], 10) is None
+    assert eta_seconds([100.0, 1, 1, 1, 1, 1], 10, window=5) == 10.0  # the slow first step has dropped out
+    assert evals_left(18, 36, 18) == 2  # step 18's own evaluation is still to come once its line is printed
+    assert evals_left(36, 36, 18) == 1 and evals_left(5, 36, 0) == 1 and evals_left(5, 36, 0, evaluates=False) == 0
+
+
+def test_without_a_terminal_the_live_line_is_printed_every_10s() -> None:
+    clock, out = Clock(), io.StringIO()  # StringIO: not a TTY, like output redirected to a file
+    p = StepProgress(2, out=out, clock=clock)
+    printed = []
+    for i in range(121):  # two minutes of polls every 0.25 s... every second here
+        p.status(live_label(step=0, total=2, evaluating=True, done=i, n=128, elapsed_s=i))
+        printed += out.getvalue().splitlines()[len(printed):]
+        clock.t += 1.0
+    assert len(printed) == 12, printed  # at 10 s, 20 s, ... 120 s: never silent for longer than 10 s
+    assert printed[0] == "eval @ step 0 | generating 10/128 | 10s"
+    assert all("\r" not in line and "\x1b" not in line for line in printed)
+    # a permanent line counts: the next live line comes 10 s after it
+    p.evaluated("eval @ step 0: reward 0.1", 120.0)
+    clock.t += 5
+    p.status("step 1/2 | generating 3/8 | 5s")
+    assert out.getvalue().splitlines()[-1] == "eval @ step 0: reward 0.1"
+    clock.t += 5
+    p.status("step 1/2 | generating 4/8 | 10s")
+    assert out.getvalue().splitlines()[-1] == "step 1/2 | generating 4/8 | 10s"
+
+
+def test_summary_reads_only_its_own_run_once_per_step(tmp_path: Path) -> None:
+    rows = [
+        {"run": "a", "kind": "eval", "step": 0, "reward_mean": 0.141},
+        {"run": "a", "kind": "train", "step": 1, "reward_mean": 0.2, "gen_s": 1.0},
+        {"run": "a", "kind": "train", "step": 2, "reward_mean": 0.3, "gen_s": 9.0},  # redone after resume
+        {"run": "b", "kind": "eval", "step": 0, "reward_mean": 0.117},
+        {"run": "b", "kind": "train", "step": 1, "reward_mean": 0.2, "gen_s": 100.0},
+        {"run": "a", "kind": "train", "step": 2, "reward_mean": 0.4, "gen_s": 3.0},
+        {"run": "a", "kind": "eval", "step": 2, "reward_mean": 0.5},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    own = read_metrics(path, run="a")
+    assert [(r["kind"], r["step"]) for r in own] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
+    assert own[2]["reward_mean"] == 0.4
+    table = summary_table(own, wall_s=10)
+    assert "| eval reward before (step 0) | 0.141 |" in table and "| mean gen_s per step | 2.00 |" in table

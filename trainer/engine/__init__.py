@@ -1,1 +1,0 @@
-"""tracegym trainer/engine."""

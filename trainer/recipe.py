@@ -1,0 +1,249 @@
+"""The training recipe: one pydantic model, loaded from YAML and validated with clear messages.
+
+The README's recipe reference is generated from these fields (``python -m tracegym.trainer.recipe``),
+so the docstrings here are the documentation.
+"""
+
+from __future__ import annotations
+
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+
+from tracegym.trainer.settings import (
+    AgentConfig,
+    AlgorithmConfig,
+    DataConfig,
+    LoraConfig,
+    OptimConfig,
+    RayConfig,
+    RewardConfig,
+    UpstreamConfig,
+    _Section,
+)
+
+TIMESTAMP = "{timestamp}"
+"""As the last part of ``run_dir``: a new directory per run, named by its start time (``run_dirs``)."""
+
+
+class TrainRecipe(_Section):
+    """A `tracegym train` recipe. Relative paths are relative to the recipe file."""
+
+    model: str = Field(
+        description="Model name (`smollm2-135m`, `tiny-random`, `qwen3-tiny`), a local directory, or a hub id."
+    )
+    data: DataConfig
+    agent: AgentConfig
+    group_size: int = Field(4, description="Rollouts per task (the GRPO group); at least 2.")
+    batch_size: int = Field(8, ge=1, description="Tasks per step (so batch_size × group_size rollouts).")
+    steps: int = Field(60, ge=1, description="Training steps.")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate then train; async: runners never stop."
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="async: accept trajectories at most this many weight versions old."
+    )
+    group_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Wait at most this long for a step's groups; late rollouts are dropped and counted.",
+    )
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    reward: RewardConfig = RewardConfig()
+    optim: OptimConfig = OptimConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    lora: LoraConfig | None = Field(
+        None, description="Train LoRA adapters (peft) instead of the full model; unset = full fine-tuning."
+    )
+    gateway_url: str | None = Field(
+        None,
+        description="Use this running gateway; unset = start one (and the embedded engine unless `upstream.url` is set).",
+    )
+    store: str = Field(
+        "sqlite:///{run_dir}/tracegym.db", description="Trace store URL; `{run_dir}` is substituted."
+    )
+    workers: int = Field(1, ge=1, description="Trainer workers (Ray actors, one FSDP2 shard each).")
+    use_ray: bool = Field(False, description="Run workers as Ray actors even with workers=1.")
+    ray: RayConfig | None = Field(
+        None, description="Run the workers on Ray: a local Ray, or join a cluster (`ray.address`)."
+    )
+    eval_samples: int = Field(2, ge=1, description="Sampled rollouts per held-out task at each evaluation.")
+    eval_interval: int = Field(
+        20, ge=0, description="Evaluate on the held-out split every N steps (0 = only before and after)."
+    )
+    run_dir: Path | None = Field(
+        None,
+        description="Where checkpoints, weights, metrics and plots go; `{name}` is substituted, and a last"
+        " part `{timestamp}` makes a new directory per run with a `latest` link next to it. Unset ="
+        " `runs/{name}/{timestamp}` under the current directory. Any other directory is refused once it"
+        " holds a run, unless `--resume` or `--overwrite` is given.",
+    )
+    name: str = Field("run", description="Run name.")
+    checkpoint_interval: int = Field(
+        0, ge=0, description="Save a resumable checkpoint every N steps (0 = only at the end)."
+    )
+    seed: int = 0
+    tensorboard: bool = Field(
+        False, description="Also write TensorBoard scalars to run_dir/tb (needs `tensorboard`)."
+    )
+    wandb_project: str | None = Field(None, description="Also log to this W&B project (needs `wandb`).")
+
+    @field_validator("agent")
+    @classmethod
+    def _target_shape(cls, v: AgentConfig) -> AgentConfig:
+        if ":" not in v.target:
+            raise ValueError(f"agent.target must be 'module:function', got {v.target!r}")
+        return v
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_size(cls, v: int) -> int:
+        # a field validator (not a model one) so this shows next to the recipe's other errors
+        if v < 2:
+            raise ValueError(f"must be >= 2: every advantage estimator compares rollouts of the same task, got {v}")
+        return v
+
+    @field_validator("run_dir")
+    @classmethod
+    def _timestamp_last(cls, v: Path | None) -> Path | None:
+        if v is not None and TIMESTAMP in str(v.parent):
+            raise ValueError(f"{TIMESTAMP} may only be the last part of run_dir, got {str(v)!r}")
+        return v
+
+    def resolve_paths(self, base: Path) -> TrainRecipe:
+        """Make the recipe's relative paths (data, a local model directory, run_dir, a SQLite store)
+        absolute against ``base``, the recipe's directory; an unset run_dir is ``runs/{name}/{timestamp}``
+        under the current directory. ``{name}`` is substituted; ``{run_dir}`` in ``store`` too, unless
+        run_dir ends in ``{timestamp}`` (then ``run_dirs.open_run_dir`` picks the directory)."""
+        default = Path.cwd() / "runs" / "{name}" / TIMESTAMP
+        run_dir = Path(str(self.run_dir or default).replace("{name}", self.name))
+        run_dir = _absolute(run_dir, base)
+        data = self.data.model_copy(
+            update={
+                "path": _absolute(self.data.path, base),
+                "eval_path": None if self.data.eval_path is None else _absolute(self.data.eval_path, base),
+            }
+        )
+        store = _sqlite_absolute(self.store, base)
+        if run_dir.name != TIMESTAMP:
+            store = store.replace("{run_dir}", str(run_dir))
+        return self.model_copy(
+            update={"run_dir": run_dir, "data": data, "store": store, "model": _model_path(self.model, base)}
+        )
+
+
+def _absolute(p: Path, base: Path) -> Path:
+    p = p.expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def _sqlite_absolute(url: str, base: Path) -> str:
+    """``sqlite:///rel.db`` → ``sqlite:////BASE/rel.db``; other URLs (and ``{run_dir}/...``) unchanged."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix):
+        return url
+    rest = url[len(prefix) :]
+    if not rest or rest.startswith(("/", "{run_dir}", ":memory:", "file:")):
+        return url
+    return prefix + str(_absolute(Path(rest), base))
+
+
+def _model_path(model: str, base: Path) -> str:
+    """A local model directory relative to the recipe becomes absolute; names and hub ids stay. A model
+    written as a path (``./m``, ``../m``, ``~/m``, ``/m``) is a path even where it does not exist (so the
+    error names where it was looked for)."""
+    from tracegym.models import KNOWN_MODELS
+
+    if model in KNOWN_MODELS:
+        return model
+    p = Path(model).expanduser()
+    looks_like_path = p.is_absolute() or model.startswith(("./", "../", "~"))
+    if looks_like_path or (base / p).exists():
+        return str(_absolute(p, base))
+    return model
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be loaded; the message says which field and why."""
+
+
+def unknown_field_message(loc: tuple[int | str, ...]) -> str:
+    """``unknown field; did you mean 'lr'?`` for a misspelt recipe key (else the section's fields)."""
+    import difflib
+
+    model: type[BaseModel] = TrainRecipe
+    for part in loc[:-1]:
+        ann = model.model_fields[str(part)].annotation if str(part) in model.model_fields else None
+        # an optional section (``judge: JudgeConfig | None``) is its model
+        found = [a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not found:
+            return "unknown field"
+        model = found[0]
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field; did you mean {close[0]!r}?"
+    return "unknown field; the fields here are " + ", ".join(names)
+
+
+def validate_recipe(raw: dict[str, Any], *, where: str = "recipe") -> TrainRecipe:
+    """``raw`` as a ``TrainRecipe``, or a ``RecipeError`` naming each bad field and why."""
+    try:
+        return TrainRecipe.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            msg = unknown_field_message(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
+            lines.append(f"{loc}: {msg}")
+        if len(lines) == 1:  # the usual typo: one line
+            raise RecipeError(f"{where}: invalid recipe: {lines[0]}") from None
+        raise RecipeError("\n  ".join([f"{where}: invalid recipe:", *lines])) from None
+
+
+def load_recipe(path: str | Path) -> TrainRecipe:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe not found: {p}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{p}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{p}: a recipe is a mapping of fields, got {type(raw).__name__}")
+    recipe = validate_recipe(raw, where=str(p))
+    return recipe.resolve_paths(p.parent.resolve())
+
+
+def reference_markdown() -> str:
+    """The recipe reference, generated from the fields above (README embeds this)."""
+    out = ["| field | type | default | description |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            ann = f.annotation
+            inner = [a for a in getattr(ann, "__args__", ()) if a is not type(None)]
+            if len(inner) == 1 and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+                out.append(f"| `{prefix}{name}` | optional | `None` | {f.description or ''} |")
+                walk(inner[0], f"{prefix}{name}.")  # an optional section: its fields, once it is given
+                continue
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = "required" if f.is_required() else repr(f.default)
+            tname = getattr(ann, "__name__", str(ann)).replace("typing.", "").replace("|", "\\|")
+            tname = tname.replace(f"{__name__}.", "").replace("__main__.", "")
+            desc = (f.description or "").replace("|", "\\|")
+            out.append(f"| `{prefix}{name}` | {tname} | `{default}` | {desc} |")
+
+    walk(TrainRecipe, "")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(reference_markdown() + "\n")

@@ -10,7 +10,7 @@ trainer does), 8 prompts × 4 samples per step at T=1.0 (top_p 1, no top_k), up 
 dropped, the token-mean ``−A·log p`` loss (the product's PPO-clip with one update per batch has ratio 1:
 the same gradient), AdamW (lr 1e-5; with ``--lora`` rank 16, alpha 32, lr 1e-4 as
 examples/quickstart/recipe-lora.yaml), grad clip 1.0, and the compute dtype the trainer picks on this
-CPU (bf16 autocast only where it is faster, ``trainer.models.cpu_compute_dtype``). Held-out reward:
+CPU (bf16 autocast only where it is faster, ``modelfiles.load.cpu_compute_dtype``). Held-out reward:
 64 tasks × 2 samples at T=1.0 before the first step and every ``--eval-every`` steps.
 
 (a) bare: one process — transformers ``generate`` (left padding, KV cache), the loss, backward, AdamW;
@@ -59,7 +59,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 class TaskOrder:
-    """The trainer's draw order (``trainer/loop.py``): shuffled with ``shuffle_seed``, reshuffled with the
+    """The trainer's draw order (``trainer/run/loop.py``): shuffled with ``shuffle_seed``, reshuffled with the
     same generator at each new epoch."""
 
     def __init__(self, n: int, seed: int) -> None:
@@ -87,7 +87,7 @@ class Bare:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tracegym.trainer.models import cpu_compute_dtype
+        from tracegym.modelfiles.load import cpu_compute_dtype
 
         torch.manual_seed(seed)
         self.torch = torch
@@ -97,7 +97,7 @@ class Bare:
         if lora:
             from peft import LoraConfig, get_peft_model
 
-            from tracegym.trainer.lora import default_targets
+            from tracegym.trainer.workers.lora import default_targets
 
             targets = list(default_targets(str(model.config.model_type)))  # the trainer's own default
             model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from benchmarks.machine import describe
-    from tracegym.trainer.models import CPU_BF16_ENV, decide_cpu_bf16, prepare_model
+    from tracegym.modelfiles.load import CPU_BF16_ENV, decide_cpu_bf16
+    from tracegym.modelfiles.prepare import prepare_model
 
     print(describe(), flush=True)
     decide_cpu_bf16()  # both sides (and the product's engine and trainer) compute in one dtype

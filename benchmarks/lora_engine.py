@@ -31,8 +31,8 @@ def make_adapter(model_dir: Path, out: Path, rank: int) -> Path:
     """A PEFT adapter on the family's default targets with random A and B (the values do not matter)."""
     from peft import LoraConfig, get_peft_model
 
-    from tracegym.trainer.lora import default_targets
-    from tracegym.trainer.models import load_model
+    from tracegym.modelfiles.load import load_model
+    from tracegym.trainer.workers.lora import default_targets
 
     torch.manual_seed(0)
     model = load_model(model_dir, device="cpu", dtype="float32")
@@ -44,7 +44,7 @@ def make_adapter(model_dir: Path, out: Path, rank: int) -> Path:
 
 
 def decode_tok_s(model: torch.nn.Module, batch: int, tokens: int, dtype: torch.dtype | None) -> float:
-    from tracegym.trainer.engine import kv_batch as kvb
+    from tracegym.engine import kv_batch as kvb
 
     prompts = [[1, 9690, 314, 253, 100 + i, 30] for i in range(batch)]
     ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else torch.autocast("cpu", enabled=False)
@@ -70,8 +70,8 @@ def merge_s(model: torch.nn.Module, adapter: object) -> float:
 
 
 def bench_decode(model_dir: Path, adapter_dir: Path, batch: int, tokens: int, dtype: str, rounds: int) -> None:
-    from tracegym.trainer.engine.lora import EngineLora, read_adapter
-    from tracegym.trainer.models import load_model
+    from tracegym.engine.adapters import EngineLora, read_adapter
+    from tracegym.modelfiles.load import load_model
 
     model = load_model(model_dir, device="cpu", dtype="float32")
     ac = torch.bfloat16 if dtype == "bfloat16" else None
@@ -98,7 +98,7 @@ def bench_decode(model_dir: Path, adapter_dir: Path, batch: int, tokens: int, dt
 
 
 def bench_swap(model_name: str, model_dir: Path, adapter_dir: Path, rounds: int, dtype: str) -> None:
-    from tracegym.trainer.models import load_model
+    from tracegym.modelfiles.load import load_model
 
     tmp = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     full = tmp / "full"
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--swap", action="store_true")
     args = ap.parse_args()
-    from tracegym.trainer.models import prepare_model
+    from tracegym.modelfiles.prepare import prepare_model
 
     torch.set_num_threads(1)
     model_dir = prepare_model(args.model)

@@ -46,7 +46,7 @@ class Sampler:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from tracegym.trainer.models import prepare_model
+        from tracegym.modelfiles.prepare import prepare_model
 
         path = prepare_model("smollm2-135m")
         self.torch, self.temperature = torch, temperature

@@ -29,11 +29,13 @@ from pathlib import Path
 
 import torch
 
-from tracegym.trainer.batch import TrainBatch, TrainSample
-from tracegym.trainer.models import prepare_model
-from tracegym.trainer.optim import OptimSettings
-from tracegym.trainer.ray_cluster import RaySettings
-from tracegym.trainer.workers import TrainConfig, WorkerGroup, token_logprobs
+from tracegym.modelfiles.prepare import prepare_model
+from tracegym.trainer.settings import OptimConfig
+from tracegym.trainer.workers.batches import TrainBatch, TrainSample
+from tracegym.trainer.workers.group import WorkerGroup
+from tracegym.trainer.workers.ray_cluster import RaySettings
+from tracegym.trainer.workers.train_config import TrainConfig
+from tracegym.trainer.workers.worker import token_logprobs
 
 
 def make_batch(n: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0) -> TrainBatch:
@@ -93,9 +95,7 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> None:
 
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     batch = make_batch(args.prompts * args.group, args.prompt_len, args.completion_len, vocab)
-    cfg = TrainConfig(
-        optim=OptimSettings(lr=1e-5), micro_batch_tokens=args.micro_batch_tokens, dtype=args.dtype
-    )
+    cfg = TrainConfig(optim=OptimConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, dtype=args.dtype))
     threads = torch.get_num_threads()
     print(
         f"model {args.model}, dtype {args.dtype}, batch {len(batch)} seqs, {batch.num_tokens} tokens "
@@ -139,7 +139,7 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> None:
 
 def swap(args: argparse.Namespace, model_dir: Path) -> None:
     from tracegym.procs import free_port, start_process
-    from tracegym.trainer.weight_sync import DiskWeightSync
+    from tracegym.trainer.weights.disk import DiskWeightSync
 
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
@@ -150,7 +150,7 @@ def swap(args: argparse.Namespace, model_dir: Path) -> None:
             log_path=Path(tmp) / "gateway.log",
             health_path="/healthz",
         )
-        group = WorkerGroup(model_dir, num_workers=1, train_cfg=TrainConfig(), use_ray=False)
+        group = WorkerGroup(model_dir, num_workers=1, train_cfg=TrainConfig(optim=OptimConfig(dtype="float32")), use_ray=False)
         try:
             sync = DiskWeightSync(gateway.base_url, Path(tmp) / "weights", keep=2)
             results = [sync.push(group, str(v)) for v in range(1, args.swaps + 1)]

@@ -20,13 +20,13 @@ token-exact trajectories (tracegym train RECIPE.yaml, which can start everything
 # subcommand -> "module:function"; each function takes the parsed argparse.Namespace and returns an exit code.
 _TARGETS = {
     "serve": "tracegym.gateway.serve:main",
-    "engine": "tracegym.trainer.engine.server:main",
+    "engine": "tracegym.engine.server:main",
     "run": "tracegym.queue_commands:main",
     "enqueue": "tracegym.queue_commands:enqueue_main",
-    "train": "tracegym.trainer.loop:main",
+    "train": "tracegym.trainer.run.loop:main",
     "export": "tracegym.export:main",
     "db": "tracegym.gateway.traces.store.migrate:main",
-    "models": "tracegym.trainer.models:main",
+    "models": "tracegym.modelfiles.prepare:main",
 }
 # subcommand -> the extra (pyproject.toml) its implementation needs beyond the bare SDK
 _EXTRAS = {

@@ -4,7 +4,7 @@ ART's RULER idea, done our way: the judge sees the task once, the group's attemp
 under a short id, ``r1``, ``r2``, ...) and a rubric the user wrote, and answers one score in [0, 1] per id.
 Any OpenAI-compatible ``/chat/completions`` endpoint can judge: the gateway itself, another served model,
 or a provider. Pure prompt building and parsing here, plus one retrying HTTP loop on httpx (nothing else:
-``import tracegym`` stays light); the trainer's hook (``tracegym.trainer.judge_rewards``) reads the
+``import tracegym`` stays light); the trainer's hook (``tracegym.trainer.run.judge``) reads the
 rollouts, records the judge's calls as spans and combines the scores with the agent's own rewards.
 
 A judge that answers badly never becomes a silent 0. An answer is checked id by id: unparseable, an id
@@ -55,7 +55,8 @@ class JudgeSettings:
     """Extra attempts after the first when an answer (or the HTTP call) is unusable."""
     temperature: float = 0.0
     max_tokens: int = 512
-    timeout_s: float = 120.0
+    timeout_s: float = 300.0
+    """Seconds for one judge request (a judge on a CPU engine can take minutes)."""
     max_chars: int = 4000
     """Each attempt's conversation is cut to its last ``max_chars`` characters in the prompt."""
     headers: dict[str, str] = field(default_factory=dict)

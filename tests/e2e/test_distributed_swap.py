@@ -21,7 +21,7 @@ import torch
 
 from tests.gateway.app_support import sse_payloads
 from tests.procs import ManagedProcess, free_port, start_process
-from tracegym.trainer.weight_sync import (
+from tracegym.trainer.weights.disk import (
     DistributedWeightSync,
     init_distributed,
     plan_buckets,
@@ -64,7 +64,7 @@ def _generate(engine: ManagedProcess) -> tuple[list[int], list[float], str]:
 
 def _trainer_logprobs(state: dict[str, torch.Tensor], model_dir: Path, output_ids: list[int]) -> list[float]:
     """The logprobs of ``output_ids`` after PROMPT under ``state`` (the trainer's gathered weights)."""
-    from tracegym.trainer.models import load_model
+    from tracegym.modelfiles.load import load_model
 
     model = load_model(model_dir, device="cpu", dtype="float32")
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -110,7 +110,9 @@ def _destroy(worker: Any) -> None:
 @pytest.mark.parametrize("workers", [1, 2], ids=["1-worker", "2-ray-workers"])
 def test_a_distributed_push_reaches_both_engines_through_the_gateway(
         fleet, tiny_model_dir: Path, workers: int) -> None:
-    from tracegym.trainer.workers import TrainConfig, WorkerGroup
+    from tracegym.trainer.settings import OptimConfig
+    from tracegym.trainer.workers.group import WorkerGroup
+    from tracegym.trainer.workers.train_config import TrainConfig
 
     gw, a, b = fleet
     ids_a, before_a, v_a = _generate(a)
@@ -121,7 +123,7 @@ def test_a_distributed_push_reaches_both_engines_through_the_gateway(
         from ray import cloudpickle
 
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    group = WorkerGroup(tiny_model_dir, num_workers=workers, train_cfg=TrainConfig(), use_ray=workers > 1)
+    group = WorkerGroup(tiny_model_dir, num_workers=workers, train_cfg=TrainConfig(optim=OptimConfig(dtype="float32")), use_ray=workers > 1)
     try:
         group.run_on_ranks(_perturb)
         state = group.run_on_ranks(_gather)[0]

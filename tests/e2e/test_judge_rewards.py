@@ -1,4 +1,4 @@
-"""The trainer's group judge (``tracegym.trainer.judge_rewards.GroupJudge``, the recipe's ``reward.judge``)
+"""The trainer's group judge (``tracegym.trainer.run.judge.GroupJudge``, the recipe's ``reward.judge``)
 against a real ``tracegym serve --engine embedded --model tiny-random`` whose rollouts were run by the real
 runner: once with a scripted judge process outside the gateway (its calls recorded as OTLP spans), once
 with the gateway itself judging (tiny-random writes garbage, so every rollout must end with a clear judge
@@ -21,8 +21,8 @@ from tests.procs import ManagedProcess
 from tests.sdk.scripted_judge import read_log, scripted_judge
 from tracegym.judge import JUDGE_AGENT
 from tracegym.runner import run_agent
-from tracegym.trainer.gateway_client import ControlClient, Group
-from tracegym.trainer.judge_rewards import GroupJudge, JudgeConfig, RewardConfig
+from tracegym.trainer.run.gateway_client import ControlClient, Group
+from tracegym.trainer.run.judge import GroupJudge, JudgeConfig, RewardConfig
 from tracegym.types import Trajectory
 
 RUBRIC = "The reply is an even number of characters long."

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # SmolLM2 on a shared CPU: the judge's answer alone can take minutes
 def test_smollm2_judges_a_training_step(tmp_path: Path) -> None:
-    from tracegym.trainer.models import prepare_model
+    from tracegym.modelfiles.prepare import prepare_model
 
     prepare_model("smollm2-135m")
     (tmp_path / "train.jsonl").write_text("".join(

@@ -15,9 +15,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.e2e.conftest import serve_tiny
+from tests.engine.test_lora import make_adapter
 from tests.procs import ManagedProcess
-from tests.trainer.engine.test_lora import make_adapter
-from tracegym.trainer.lora import BASE_KEY
+from tracegym.modelfiles.formats import BASE_KEY
 
 MODEL = "tiny-random"
 Q = [{"role": "user", "content": "Plan the next step."}]

@@ -12,14 +12,13 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.e2e.test_train_loop import _train, _write_recipe
-from tracegym.trainer.config import load_recipe
-from tracegym.trainer.lora import LoraSettings
+from tracegym.trainer.recipe import load_recipe
 
 
 def test_two_agent_recipe_example_is_valid() -> None:
     root = Path(__file__).resolve().parents[2]
     recipe = load_recipe(root / "examples/two_agents/recipe.yaml")
-    s = LoraSettings.from_recipe(recipe.lora)
+    s = recipe.lora
     assert s is not None and s.per_agent and s.names == ["planner", "executor"]
 
 

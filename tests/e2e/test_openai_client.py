@@ -133,7 +133,7 @@ def test_smollm2_answers_two_plus_three(tmp_path: Path) -> None:
     streamed) and Anthropic Messages, with one greedy answer (the three render the same chat prompt)."""
     import anthropic
 
-    from tracegym.trainer.models import prepare_model
+    from tracegym.modelfiles.prepare import prepare_model
 
     prepare_model("smollm2-135m")
     with _serve(tmp_path, "--engine", "embedded", "--model", "smollm2-135m", "--store", "none",

@@ -49,7 +49,7 @@ def checkpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     """tiny-random with every weight perturbed, saved as safetensors."""
     import torch
 
-    from tracegym.trainer.models import load_model
+    from tracegym.modelfiles.load import load_model
 
     model = load_model(tiny_model_dir)
     gen = torch.Generator().manual_seed(0)

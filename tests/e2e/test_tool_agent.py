@@ -59,7 +59,7 @@ def check_tool_results_masked(tmp_path: Path) -> None:
     nudges the agent fed back sit in mask-0 tokens, and no mask-1 run holds them."""
     from tokenizers import Tokenizer
 
-    from tracegym.trainer.models import prepare_model
+    from tracegym.modelfiles.prepare import prepare_model
 
     tok = Tokenizer.from_file(str(prepare_model("smollm2-135m") / "tokenizer.json"))
     port = free_port()

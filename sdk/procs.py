@@ -1,18 +1,21 @@
 """Child processes on free ports: start in their own process group, wait for health, always stop.
 
-Used by ``tracegym serve --engine embedded`` (the engine child), ``tracegym train`` (engine, gateway,
-runner) and the tests. httpx + stdlib only.
+Used by ``tracegym serve --engine embedded`` and ``tracegym train`` (``start_engines``: the embedded
+engines; the trainer also starts its gateway and runner here) and the tests. httpx + stdlib only.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -121,3 +124,56 @@ def start_process(
         time.sleep(0.2)
     mp.stop()
     raise TimeoutError(f"{mp.name or argv} did not answer {health_path} within {timeout:.0f}s; its log:\n{mp.log()}")
+
+
+ENGINE_KEY_ENV = "TRACEGYM_ENGINE_API_KEY"
+"""The environment variable that gives an embedded engine the key of its weight and pause routes."""
+
+
+@dataclass
+class Engines:
+    """Embedded engines started by ``start_engines``, and the key of their weight and pause routes."""
+
+    procs: list[ManagedProcess]
+    key: str
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.base_url for p in self.procs]
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def start_engines(
+    count: int,
+    model: str,
+    *,
+    args: Sequence[str] = (),
+    ports: Sequence[int] = (),
+    log_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300.0,
+) -> Engines:
+    """``count`` embedded engines (``tracegym engine --model MODEL --port P ARGS``), each in its own process
+    group, sharing one fresh random key for their weight and pause routes, which only the caller (who hands
+    it to its gateway) knows: it travels in their environment, never on a command line. ``ports`` picks the
+    first ones (free ports otherwise); logs go to ``log_dir/engine[-N].log``, or to our output without a
+    ``log_dir``. If one fails to start, those already started are stopped and the error raised."""
+    started = Engines([], secrets.token_urlsafe(32))
+    child_env = {**(env or {}), ENGINE_KEY_ENV: started.key}
+    try:
+        for i in range(count):
+            port = ports[i] if i < len(ports) else free_port()
+            suffix = "" if count == 1 else f"-{i + 1}"
+            started.procs.append(start_process(
+                ["tracegym", "engine", "--model", model, "--port", str(port), *args],
+                port=port, log_path=None if log_dir is None else log_dir / f"engine{suffix}.log",
+                name="embedded engine" if count == 1 else f"embedded engine {i + 1}", env=child_env,
+                timeout=timeout,
+            ))
+    except BaseException:
+        started.stop()
+        raise
+    return started

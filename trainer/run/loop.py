@@ -34,7 +34,7 @@ from tracegym.trainer.run.report import (
     summary_table,
 )
 from tracegym.trainer.run.run_dirs import check_run_dir, disk_use, format_disk_use, open_run_dir, resume_dir
-from tracegym.trainer.run.services import Infra, start_infra
+from tracegym.trainer.run.services import Services, start_services
 from tracegym.trainer.run.tasks import split_tasks
 from tracegym.types import Trajectory
 
@@ -110,7 +110,7 @@ class Trainer:
     def __init__(
         self,
         recipe: TrainRecipe,
-        infra: Infra,
+        services: Services,
         model_dir: Path,
         *,
         resume: bool,
@@ -123,7 +123,7 @@ class Trainer:
         construction fails, whatever was already started is closed again."""
         self.r = recipe
         self.run_id = run_id or recipe.name
-        self.infra = infra
+        self.services = services
         self.model_dir = model_dir
         self.train_tasks, self.eval_tasks = tasks if tasks is not None else split_tasks(recipe)
         self.rng = random.Random(recipe.data.shuffle_seed)
@@ -134,13 +134,13 @@ class Trainer:
         train_cfg = train_cfg if train_cfg is not None else check_recipe(recipe)
         self._eval_skip_noted = False
         try:
-            self._start(recipe, infra, model_dir, train_cfg, resume=resume)
+            self._start(recipe, services, model_dir, train_cfg, resume=resume)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, recipe: TrainRecipe, infra: Infra, model_dir: Path, train_cfg: Any, *, resume: bool) -> None:
-        self.ctl = ControlClient(infra.gateway_url, api_key=infra.admin_key)
+    def _start(self, recipe: TrainRecipe, services: Services, model_dir: Path, train_cfg: Any, *, resume: bool) -> None:
+        self.ctl = ControlClient(services.gateway_url, api_key=services.admin_key)
         self.sinks = MetricSinks(
             recipe.run_dir,
             to_store=lambda step, m: self.ctl.add_metrics(self.run_id, step, m),
@@ -170,12 +170,12 @@ class Trainer:
         if self.lora is not None:  # LoRA: only the adapters travel (trainer/weights/adapters.py)
             from tracegym.trainer.weights.adapters import AdapterSync
 
-            self.swap = AdapterSync(infra.gateway_url, recipe.run_dir / "weights" / "adapters", self.lora, keep=1,
-                                    save_dtype=recipe.upstream.engine_dtype, api_key=infra.admin_key)
+            self.swap = AdapterSync(services.gateway_url, recipe.run_dir / "weights" / "adapters", self.lora, keep=1,
+                                    save_dtype=recipe.upstream.engine_dtype, api_key=services.admin_key)
         else:
             self.swap = DiskWeightSync(
-                infra.gateway_url, recipe.run_dir / "weights", keep=1, save_dtype=recipe.upstream.engine_dtype,
-                api_key=infra.admin_key,
+                services.gateway_url, recipe.run_dir / "weights", keep=1, save_dtype=recipe.upstream.engine_dtype,
+                api_key=services.admin_key,
             )
         if resume:
             from tracegym.trainer.workers.lora import LoraError
@@ -198,7 +198,7 @@ class Trainer:
         if recipe.reward.judge is not None:  # README: Group judge rewards
             from tracegym.trainer.run.judge import GroupJudge
 
-            self.judge = GroupJudge(self.ctl, recipe.reward, gateway_url=infra.gateway_url, model=recipe.model)
+            self.judge = GroupJudge(self.ctl, recipe.reward, gateway_url=services.gateway_url, model=recipe.model)
 
     # --- data -------------------------------------------------------------------------------------
     def group_ids(self, kind: str, n: int) -> list[str]:
@@ -230,7 +230,7 @@ class Trainer:
         t0 = time.monotonic()
 
         def poll(groups: list[Group]) -> None:
-            self.infra.check_alive()
+            self.services.check_alive()
             n = sum(len(g.rollout_ids) for g in groups)
             done = sum(1 for g in groups for s in g.statuses.values() if s in TERMINAL)
             self.progress.status(live_label(step=self.state.step, total=self.r.steps, evaluating=evaluating,
@@ -441,12 +441,12 @@ def train(
     print(f"run dir: {run.path}", file=sys.stderr, flush=True)
     if "bfloat16" in (recipe.optim.dtype, recipe.upstream.engine_dtype):  # else nothing asks: no timing
         decide_cpu_bf16()  # one bf16-or-fp32 decision for this process, its engines and its Ray workers
-    with start_infra(recipe, model_dir, recipe_dir) as infra:
-        key_note = f" (admin key: {recipe.run_dir / 'admin_key'})" if infra.admin_key else ""
-        print(f"trace inspector: {infra.gateway_url}/ui/runs/{quote(run.run_id, safe='')}{key_note}",
+    with start_services(recipe, model_dir, recipe_dir) as services:
+        key_note = f" (admin key: {recipe.run_dir / 'admin_key'})" if services.admin_key else ""
+        print(f"trace inspector: {services.gateway_url}/ui/runs/{quote(run.run_id, safe='')}{key_note}",
               file=sys.stderr, flush=True)
         trainer = Trainer(
-            recipe, infra, model_dir, resume=resume, train_cfg=train_cfg, tasks=tasks, run_id=run.run_id
+            recipe, services, model_dir, resume=resume, train_cfg=train_cfg, tasks=tasks, run_id=run.run_id
         )
         try:
             result = trainer.run()

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracegym.errors import USAGE_EXIT_CODE, UserError
-from tracegym.procs import ManagedProcess, free_port, start_process
+from tracegym.procs import ManagedProcess, free_port, start_engines, start_process
 from tracegym.trainer.recipe import TrainRecipe
 
 
 @dataclass
-class Infra:
+class Services:
     gateway_url: str
     upstream_url: str
     procs: list[ManagedProcess] = field(default_factory=list)
@@ -56,10 +56,9 @@ def _last_error(log: str) -> str:
     return "\n".join(lines[starts[-1]:starts[-1] + 2]).split(": ", 1)[1]
 
 
-def _engine_argv(recipe: TrainRecipe, model_dir: Path, port: int) -> list[str]:
+def _engine_args(recipe: TrainRecipe) -> list[str]:
     up = recipe.upstream
-    return ["tracegym", "engine", "--model", str(model_dir), "--port", str(port), "--dtype", up.engine_dtype,
-            "--max-batch-size", str(up.max_batch_size), "--weight-version", "0"]  # fmt: skip
+    return ["--dtype", up.engine_dtype, "--max-batch-size", str(up.max_batch_size), "--weight-version", "0"]
 
 
 def _write_key(path: Path, key: str) -> None:
@@ -71,68 +70,57 @@ def _write_key(path: Path, key: str) -> None:
 
 
 @contextlib.contextmanager
-def start_infra(recipe: TrainRecipe, model_dir: Path, recipe_dir: Path) -> Iterator[Infra]:
-    """Yield an ``Infra`` with every service the recipe needs running; stop what was started on exit."""
+def start_services(recipe: TrainRecipe, model_dir: Path, recipe_dir: Path) -> Iterator[Services]:
+    """Yield ``Services`` with every service the recipe needs running; stop what was started on exit."""
     logs = recipe.run_dir / "logs"
-    infra = Infra(gateway_url=recipe.gateway_url or "", upstream_url=recipe.upstream.url or "")
+    services = Services(gateway_url=recipe.gateway_url or "", upstream_url=recipe.upstream.url or "")
     served_model = recipe.model  # a name the gateway resolves (tracegym.models) or a local directory
-    infra.upstream_urls = [u for u in (recipe.upstream.url, *recipe.upstream.urls) if u]
+    services.upstream_urls = [u for u in (recipe.upstream.url, *recipe.upstream.urls) if u]
     engine_key = None
     try:
-        if not infra.upstream_url:
+        if not services.upstream_url:
             n = recipe.upstream.engines
             # sync mode: generation and training take turns, so the engines may share every core
             cores = str(max(1, (os.cpu_count() or 1) // n))
-            env: dict[str, str] = {"TRACEGYM_ENGINE_THREADS": cores} if recipe.mode == "sync" else {}
-            engine_key = secrets.token_urlsafe(32)  # the engines' weight and pause routes: only the gateway has it
-            env["TRACEGYM_ENGINE_API_KEY"] = engine_key
-            for i in range(n):
-                port = free_port()
-                infra.procs.append(
-                    start_process(
-                        _engine_argv(recipe, model_dir, port),
-                        port=port,
-                        log_path=logs / ("engine.log" if n == 1 else f"engine-{i + 1}.log"),
-                        health_path="/health",
-                        name="embedded engine" if n == 1 else f"embedded engine {i + 1}",
-                        env=env,
-                    )
-                )
-                infra.upstream_urls.append(f"http://127.0.0.1:{port}")
-            infra.upstream_url = infra.upstream_urls[0]
-        if not infra.gateway_url:
+            engines = start_engines(n, str(model_dir), args=_engine_args(recipe), log_dir=logs,
+                                    env={"TRACEGYM_ENGINE_THREADS": cores} if recipe.mode == "sync" else {})
+            services.procs.extend(engines.procs)
+            services.upstream_urls.extend(engines.urls)
+            services.upstream_url = services.upstream_urls[0]
+            engine_key = engines.key
+        if not services.gateway_url:
             port = free_port()
             argv = ["tracegym", "serve", "--port", str(port),
-                    *(a for u in infra.upstream_urls for a in ("--upstream", u)),
+                    *(a for u in services.upstream_urls for a in ("--upstream", u)),
                     "--upstream-kind", recipe.upstream.kind, "--model", served_model, "--store", recipe.store]  # fmt: skip
-            infra.admin_key = os.environ.get("TRACEGYM_ADMIN_KEY") or secrets.token_urlsafe(32)
-            _write_key(recipe.run_dir / "admin_key", infra.admin_key)
-            env = {"TRACEGYM_ADMIN_KEY": infra.admin_key,
+            services.admin_key = os.environ.get("TRACEGYM_ADMIN_KEY") or secrets.token_urlsafe(32)
+            _write_key(recipe.run_dir / "admin_key", services.admin_key)
+            env = {"TRACEGYM_ADMIN_KEY": services.admin_key,
                    "TRACEGYM_WEIGHTS_DIR": str((recipe.run_dir / "weights").resolve())}
             if engine_key is not None:
                 env["TRACEGYM_UPSTREAM_API_KEY"] = engine_key
-            infra.procs.append(
+            services.procs.append(
                 start_process(
                     argv, port=port, log_path=logs / "gateway.log", health_path="/healthz", name="gateway",
                     env=env,
                 )
             )
-            infra.gateway_url = f"http://127.0.0.1:{port}"
+            services.gateway_url = f"http://127.0.0.1:{port}"
         if not recipe.agent.external:
             a = recipe.agent
-            argv = ["tracegym", "run", a.target, "--gateway", infra.gateway_url,
+            argv = ["tracegym", "run", a.target, "--gateway", services.gateway_url,
                     "--concurrency", str(a.concurrency), "--lease-seconds", str(a.lease_seconds), "--follow"]  # fmt: skip
             env = {
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(recipe_dir), os.environ.get("PYTHONPATH")])),
                 "TRACEGYM_MODEL": served_model,  # the model name agents put in their requests
             }
-            if infra.admin_key:
-                env["TRACEGYM_API_KEY"] = infra.admin_key
-            infra.procs.append(
+            if services.admin_key:
+                env["TRACEGYM_API_KEY"] = services.admin_key
+            services.procs.append(
                 start_process(
                     argv, port=None, log_path=logs / "runner.log", cwd=recipe_dir, name="runner", env=env
                 )
             )
-        yield infra
+        yield services
     finally:
-        infra.stop()
+        services.stop()

@@ -94,7 +94,7 @@ def _no_services(monkeypatch: pytest.MonkeyPatch) -> None:
     import tracegym.modelfiles.prepare as models
 
     monkeypatch.setattr(models, "prepare_model", forbidden)
-    monkeypatch.setattr(loop, "start_infra", forbidden)
+    monkeypatch.setattr(loop, "start_services", forbidden)
 
 
 def test_train_fails_before_any_process_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,7 +129,7 @@ def _main(recipe: Path, *extra: str) -> int:
 def test_main_reports_recipe_and_model_errors_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(loop, "start_infra", lambda *_a, **_k: pytest.fail("no process may start"))
+    monkeypatch.setattr(loop, "start_services", lambda *_a, **_k: pytest.fail("no process may start"))
     assert _main(_write(tmp_path, algorithm={"loss": "nope"})) == 2
     assert "unknown policy loss 'nope'" in capsys.readouterr().err
 
@@ -227,7 +227,7 @@ def _bare_trainer(tmp_path: Path, ctl: FakeControl, **fields: Any) -> loop.Train
     t.state, t.rng = loop.LoopState(order=list(range(len(t.train_tasks)))), random.Random(0)
     t.progress = StepProgress(recipe.steps)
     t._eval_skip_noted = False
-    t.infra = loop.Infra(gateway_url="http://unused", upstream_url="http://unused")
+    t.services = loop.Services(gateway_url="http://unused", upstream_url="http://unused")
     return t
 
 
@@ -295,10 +295,10 @@ def test_a_failing_trainer_constructor_closes_what_it_started(
     monkeypatch.setattr(loop, "ControlClient", lambda _url, **_kw: ctl)
     monkeypatch.setattr(loop.MetricSinks, "close", lambda self: events.append("sinks closed"))
     recipe = load_recipe(_write(tmp_path))
-    infra = loop.Infra(gateway_url="http://unused", upstream_url="http://unused")
+    services = loop.Services(gateway_url="http://unused", upstream_url="http://unused")
     recipe.run_dir.mkdir(parents=True)
     with pytest.raises(RuntimeError, match="weight sync failed to start"):
-        loop.Trainer(recipe, infra, tmp_path, resume=False, train_cfg=object())
+        loop.Trainer(recipe, services, tmp_path, resume=False, train_cfg=object())
     assert events == ["workers started", "workers shut down", "sinks closed"] and ctl.closed
 
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tracegym.trainer.recipe import load_recipe
-from tracegym.trainer.run.services import start_infra
+from tracegym.trainer.run.services import start_services
 
 
 @pytest.mark.slow
@@ -23,19 +23,19 @@ def test_a_recipe_with_two_engines_starts_a_fleet(tiny_model_dir: Path, tmp_path
         "agent": {"target": "agent:run", "external": True}, "upstream": {"engines": 2, "engine_dtype": "float32"},
     }))
     recipe = load_recipe(tmp_path / "recipe.yaml")
-    with start_infra(recipe, tiny_model_dir, tmp_path) as infra:
-        assert len(infra.upstream_urls) == 2 and infra.upstream_url == infra.upstream_urls[0]
-        assert [p.name for p in infra.procs] == ["embedded engine 1", "embedded engine 2", "gateway"]
-        assert infra.admin_key and (tmp_path / "run" / "admin_key").read_text().strip() == infra.admin_key
-        auth = {"Authorization": f"Bearer {infra.admin_key}"}
-        assert httpx.get(infra.gateway_url + "/api/upstreams", timeout=30).status_code == 401
-        report = httpx.get(infra.gateway_url + "/api/upstreams", timeout=30, headers=auth).json()
+    with start_services(recipe, tiny_model_dir, tmp_path) as services:
+        assert len(services.upstream_urls) == 2 and services.upstream_url == services.upstream_urls[0]
+        assert [p.name for p in services.procs] == ["embedded engine 1", "embedded engine 2", "gateway"]
+        assert services.admin_key and (tmp_path / "run" / "admin_key").read_text().strip() == services.admin_key
+        auth = {"Authorization": f"Bearer {services.admin_key}"}
+        assert httpx.get(services.gateway_url + "/api/upstreams", timeout=30).status_code == 401
+        report = httpx.get(services.gateway_url + "/api/upstreams", timeout=30, headers=auth).json()
         assert [(e["url"], e["healthy"], e["weight_version"]) for e in report["engines"]] == [
-            (u, True, "0") for u in infra.upstream_urls]
+            (u, True, "0") for u in services.upstream_urls]
         for i in range(4):
-            r = httpx.post(f"{infra.gateway_url}/rollouts/r{i}/v1/chat/completions", timeout=120, headers=auth, json={
+            r = httpx.post(f"{services.gateway_url}/rollouts/r{i}/v1/chat/completions", timeout=120, headers=auth, json={
                 "model": "tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
             assert r.status_code == 200, r.text
-        procs = list(infra.procs)
+        procs = list(services.procs)
     assert not any(p.alive() for p in procs)
     assert (tmp_path / "run" / "logs" / "engine-2.log").exists()

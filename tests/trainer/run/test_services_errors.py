@@ -11,7 +11,7 @@ import pytest
 
 from tracegym.errors import UserError
 from tracegym.procs import start_process
-from tracegym.trainer.run.services import Infra
+from tracegym.trainer.run.services import Services
 
 ERROR = ("import sys; print('claiming...'); "
          "print('tracegym run: agent target nope:agent: no module named nope', file=sys.stderr); "
@@ -29,14 +29,14 @@ def _dead_child(tmp_path: Path, code: int):
 
 
 def test_a_usage_error_of_a_child_is_its_own_two_lines(tmp_path: Path) -> None:
-    infra = Infra(gateway_url="", upstream_url="", procs=[_dead_child(tmp_path, 2)])
+    services = Services(gateway_url="", upstream_url="", procs=[_dead_child(tmp_path, 2)])
     with pytest.raises(UserError) as e:
-        infra.check_alive()
+        services.check_alive()
     assert str(e.value) == ("the runner stopped: agent target nope:agent: no module named nope\n"
                             "pass MODULE:FUNCTION, importable from the recipe folder")
 
 
 def test_any_other_exit_keeps_the_childs_log(tmp_path: Path) -> None:
-    infra = Infra(gateway_url="", upstream_url="", procs=[_dead_child(tmp_path, 1)])
+    services = Services(gateway_url="", upstream_url="", procs=[_dead_child(tmp_path, 1)])
     with pytest.raises(RuntimeError, match=r"runner exited with code 1; its log:\n(.|\n)*claiming"):
-        infra.check_alive()
+        services.check_alive()

@@ -151,9 +151,9 @@ def test_the_trainer_hands_the_ray_section_to_its_workers(
     monkeypatch.setattr(loop, "ControlClient", lambda _url, **_kw: FakeControl())
     recipe = load_recipe(_write(tmp_path, workers=workers, **({"ray": ray} if ray else {})))
     recipe.run_dir.mkdir(parents=True)
-    infra = loop.Infra(gateway_url="http://unused", upstream_url="http://unused")
+    services = loop.Services(gateway_url="http://unused", upstream_url="http://unused")
     with pytest.raises(RecipeError, match=r"^3 trainer workers need 3 CPUs"):
-        loop.Trainer(recipe, infra, tmp_path, resume=False, train_cfg=TrainConfig())
+        loop.Trainer(recipe, services, tmp_path, resume=False, train_cfg=TrainConfig())
     (kw,) = seen
     assert kw["num_workers"] == workers and kw["use_ray"] is use_ray
     assert kw["ray_settings"] == (None if ray is None else RayConfig(**ray))

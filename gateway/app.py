@@ -1,6 +1,7 @@
-"""The gateway's one app factory. ``create_app(settings)`` returns a FastAPI app whose lifespan builds
-and owns everything a request needs (upstream client, tokenizer, prefix cache, store, recorder,
-metrics registry) and tears it down on shutdown. Nothing here imports torch."""
+"""The gateway's one app factory. ``create_app(settings)`` returns a ``GatewayApp`` (FastAPI with the
+ASGI front outermost) whose lifespan builds and owns everything a request needs (upstream client,
+tokenizer, prefix cache, store, recorder, metrics registry) and tears it down on shutdown. Nothing here
+imports torch."""
 
 from __future__ import annotations
 
@@ -19,26 +20,36 @@ import orjson
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import PlainTextResponse, Response
+from starlette.types import ASGIApp
 
 from tracegym.gateway.api import openapi
 from tracegym.gateway.api import upstreams as upstreams_routes
 from tracegym.gateway.api import weights as weights_routes
 from tracegym.gateway.deps import GatewayMetrics, Recorder, Services, ServicesDep
-from tracegym.gateway.errors import install_error_handlers
-from tracegym.gateway.proxy import routes as openai_routes
+from tracegym.gateway.openai_errors import install_error_handlers
+from tracegym.gateway.proxy import completions_routes
 from tracegym.gateway.proxy.auth import Guard
-from tracegym.gateway.proxy.front import GatewayMiddleware
-from tracegym.gateway.proxy.responses import routes as responses_routes
+from tracegym.gateway.proxy.front import INFERENCE_ROUTES, GatewayFront
+from tracegym.gateway.proxy.responses import responses_routes
 from tracegym.gateway.proxy.upstream.base import ModelInfo, Upstream
 from tracegym.gateway.proxy.upstream.http import make_session
 from tracegym.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
-    from tracegym.gateway.proxy.parents import StoredParents
+    from tracegym.gateway.proxy.prefix_lookup import PrefixLookup
     from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
     from tracegym.gateway.traces.store import Store
 
 log = logging.getLogger("tracegym.gateway")
+
+
+class GatewayApp(FastAPI):
+    """FastAPI with ``front.GatewayFront`` outside its own middleware stack: the one way into the gateway,
+    whose inference routes skip every layer FastAPI and Starlette would add (see ``proxy/front.py``)."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return GatewayFront(super().build_middleware_stack(), INFERENCE_ROUTES)
+
 
 def build_upstream(settings: GatewaySettings, session: aiohttp.ClientSession) -> Upstream:
     kind = settings.upstream_kind
@@ -165,10 +176,11 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         app.state.store, app.state.recorder = store, recorder
         app.state.swap = _swap_coordinator(upstream, store)
         metrics = GatewayMetrics(registry)
-        parents = app.state.parents = _stored_parents(settings, store, prefix, metrics)
+        prefix_lookup = app.state.prefix_lookup = _prefix_lookup(settings, store, prefix, metrics)
         app.state.services = Services(
             settings=settings, upstream=upstream, served_model=served, tokenizer=tokenizer, prefix=prefix,
-            recorder=recorder, metrics=metrics, created=int(time.time()), store=store, parents=parents,
+            recorder=recorder, metrics=metrics, created=int(time.time()), store=store,
+            prefix_lookup=prefix_lookup,
         )
         log.info("gateway serving %r via %s upstream %s (tokenizer %s, store %s, %s)", served, upstream.kind,
                  settings.upstream_url, tdir, _redacted(settings.store_url),
@@ -182,8 +194,8 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
     finally:
         if getattr(app.state, "swap", None) is not None:
             await app.state.swap.close()
-        if getattr(app.state, "parents", None) is not None:
-            app.state.parents.close()
+        if getattr(app.state, "prefix_lookup", None) is not None:
+            app.state.prefix_lookup.close()
         if upstream is not None:
             await upstream.close()
         await session.close()
@@ -194,16 +206,16 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         sys.setswitchinterval(switch_interval)
 
 
-def _stored_parents(settings: GatewaySettings, store: Store | None, prefix: PrefixCache | None,
-                    metrics: GatewayMetrics) -> StoredParents | None:
-    """The store lookup of prefix parents on a cache miss (``proxy/parents.py``): on every store, SQLite
+def _prefix_lookup(settings: GatewaySettings, store: Store | None, prefix: PrefixCache | None,
+                    metrics: GatewayMetrics) -> PrefixLookup | None:
+    """The store lookup of prefix parents on a cache miss (``proxy/prefix_lookup.py``): on every store, SQLite
     included (it finds the calls of a rollout served before a restart); None without a prefix cache or a
     store, or with ``prefix_lookup_timeout_s`` 0."""
     if prefix is None or store is None or not settings.prefix_lookup_timeout_s:
         return None
-    from tracegym.gateway.proxy.parents import StoredParents
+    from tracegym.gateway.proxy.prefix_lookup import PrefixLookup
 
-    return StoredParents(store, metrics, timeout_s=settings.prefix_lookup_timeout_s)
+    return PrefixLookup(store, metrics, timeout_s=settings.prefix_lookup_timeout_s)
 
 
 def _redacted(url: str | None) -> str | None:
@@ -233,16 +245,15 @@ def _include_store_routers(app: FastAPI) -> None:
     ui.install(app)
 
 
-def create_app(settings: GatewaySettings | None = None, *, recorder: Recorder | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings | None = None, *, recorder: Recorder | None = None) -> GatewayApp:
     """The gateway app. ``recorder`` replaces the store-backed TraceRecorder (tests)."""
     settings = settings or GatewaySettings()
-    app = FastAPI(title="tracegym gateway", lifespan=lambda a: _lifespan(a, settings, recorder),
+    app = GatewayApp(title="tracegym gateway", lifespan=lambda a: _lifespan(a, settings, recorder),
                   docs_url="/docs", redoc_url=None)
     app.state.max_body_bytes = settings.max_body_bytes
     app.state.guard = Guard(settings.admin_key, settings.allowed_hosts)
     install_error_handlers(app)
-    app.add_middleware(GatewayMiddleware, routes=openai_routes.HOT_ROUTES)
-    app.include_router(openai_routes.router)
+    app.include_router(completions_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(weights_routes.router)
     app.include_router(upstreams_routes.router)

@@ -17,7 +17,7 @@ from tracegym.gateway.traces.store.repo import Store
 from tracegym.types import CallRecord
 
 if TYPE_CHECKING:
-    from tracegym.gateway.proxy.parents import StoredParents
+    from tracegym.gateway.proxy.prefix_lookup import PrefixLookup
     from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
     from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
@@ -61,7 +61,7 @@ class GatewayMetrics:
         )
         self.prefix_lookups = Counter(
             "tracegym_gateway_prefix_lookups", "Store lookups of prefix parents on a prefix-cache miss "
-            "(proxy/parents.py), by outcome: found, none, timeout, error, busy", ["result"], registry=registry,
+            "(proxy/prefix_lookup.py), by outcome: found, none, timeout, error, busy", ["result"], registry=registry,
         )
         self.prefix_lookup_latency = Histogram(
             "tracegym_gateway_prefix_lookup_seconds", "Store lookups of prefix parents: read and re-plan",
@@ -104,7 +104,7 @@ class Services:
     store: Store | None = None
     """The trace store (None when recording is off): where stored Responses are looked up
     (``GET /v1/responses/{id}``, ``previous_response_id``)."""
-    parents: StoredParents | None = None
+    prefix_lookup: PrefixLookup | None = None
     """Prefix parents read from the store on a prefix-cache miss (None: no store, or the lookup is off)."""
 
 

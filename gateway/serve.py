@@ -16,13 +16,11 @@ import argparse
 import ipaddress
 import logging
 import os
-import secrets
 import sys
 from typing import Any
 
-from tracegym.gateway.serve_checks import StartupFailure, preflight, start_engine
+from tracegym.gateway.serve_checks import StartupFailure, preflight, start_embedded
 from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
-from tracegym.procs import free_port
 
 log = logging.getLogger("tracegym.gateway")
 
@@ -93,8 +91,6 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tracegym.gateway.app import create_app
-    from tracegym.gateway.proxy.front import HotFront
-    from tracegym.gateway.proxy.routes import HOT_ROUTES
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_args(args)
@@ -103,31 +99,25 @@ def main(args: argparse.Namespace) -> int:
         print(refusal, file=sys.stderr)
         return 2
     preflight(args.host, args.port, args.model if args.engine == "embedded" else None, args.store)
-    engines: list = []
-    engine_key = None
+    engines = None
     upstream, kind = args.upstream, args.upstream_kind
     try:
         if args.engine == "embedded":
-            n = getattr(args, "engines", 1)
-            engine_key = secrets.token_urlsafe(32)  # the engines' weight and pause routes: only we know it
-            for i in range(n):
-                port = (args.engine_port + i if args.engine_port else 0) or free_port()
-                engines.append(start_engine(args.model, port, args.log_level, env={"TRACEGYM_ENGINE_API_KEY": engine_key},
-                                            name="the embedded engine" if n == 1 else f"embedded engine {i + 1}"))
-            upstream, kind = [e.base_url for e in engines], "sglang"
+            engines = start_embedded(args)
+            upstream, kind = engines.urls, "sglang"
         settings = settings_from_args(args, upstream, kind)
-        if engine_key is not None:
-            settings = settings.model_copy(update={"upstream_api_key": engine_key})
+        if engines is not None:  # the engines' weight and pause routes: only this gateway has their key
+            settings = settings.model_copy(update={"upstream_api_key": engines.key})
         app = create_app(settings)
         failure = StartupFailure(app, keep_traceback=getattr(args, "debug", False))
         try:
-            uvicorn.run(HotFront(app, HOT_ROUTES), host=args.host, port=args.port, loop="uvloop", http="httptools",
+            uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
                         log_level=args.log_level.lower(), access_log=False, lifespan="on",
                         timeout_graceful_shutdown=10, proxy_headers=False)
         except SystemExit:
             failure.reraise()
             raise
     finally:
-        for engine in engines:
-            engine.stop()
+        if engines is not None:
+            engines.stop()
     return 0

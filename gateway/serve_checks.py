@@ -14,9 +14,9 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from tracegym.errors import UserError
-from tracegym.gateway.errors import UpstreamUnavailable
+from tracegym.gateway.openai_errors import UpstreamUnavailable
 from tracegym.models import MODEL_FIX, check_model_name
-from tracegym.procs import ManagedProcess, free_port, start_process
+from tracegym.procs import Engines, free_port, start_engines
 
 log = logging.getLogger("tracegym.gateway")
 
@@ -57,19 +57,17 @@ def port_problem(host: str, port: int) -> tuple[str, str] | None:
     return None
 
 
-def start_engine(model: str, port: int, log_level: str, *, name: str = "the embedded engine",
-                 env: dict[str, str] | None = None) -> ManagedProcess:
-    """``tracegym engine`` as a child whose output goes to ours; one that dies before it is ready has
-    printed its own error, so this adds one line and no traceback."""
+def start_embedded(args: Any) -> Engines:
+    """``--engines`` embedded engines (``tracegym engine``) whose output goes to ours; one that dies before
+    it is ready has printed its own error, so this adds one line and no traceback."""
+    n = getattr(args, "engines", 1)
+    ports = [args.engine_port + i for i in range(n)] if args.engine_port else []
     try:
-        return start_process(
-            ["tracegym", "engine", "--model", model, "--port", str(port), "--log-level", log_level],
-            port=port, log_path=None, health_path="/health", name=name, env=env,
-            timeout=float(os.environ.get("TRACEGYM_ENGINE_START_TIMEOUT", "900")),
-        )
+        return start_engines(n, args.model, args=["--log-level", args.log_level], ports=ports,
+                             timeout=float(os.environ.get("TRACEGYM_ENGINE_START_TIMEOUT", "900")))
     except RuntimeError as e:
-        raise UserError(f"{str(e).splitlines()[0].removesuffix('; its log:')} before it was ready (its error is "
-                        "above)") from e
+        raise UserError(f"the {str(e).splitlines()[0].removesuffix('; its log:')} before it was ready (its error "
+                        "is above)") from e
 
 
 class StartupFailure(logging.Filter):

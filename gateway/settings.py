@@ -64,7 +64,7 @@ class GatewaySettings(BaseSettings):
     prefix_lookup_timeout_s: float = Field(default=2.0, ge=0)
     """How long a call may wait for the store lookup of its prefix parent when the prefix cache misses (a
     rollout's earlier call served by another gateway on the same store, or before a restart;
-    ``proxy/parents.py``); past it the call is planned from memory. 0 turns the lookup off."""
+    ``proxy/prefix_lookup.py``); past it the call is planned from memory. 0 turns the lookup off."""
     max_tokens_cap: int | None = Field(default=None, gt=0)
     """The most new tokens a call may ask for (``max_tokens``, ``max_completion_tokens``,
     ``max_output_tokens``). A request above it is refused with a 400 naming the cap, as OpenAI and Anthropic

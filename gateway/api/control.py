@@ -18,9 +18,8 @@ from starlette.responses import Response
 
 from tracegym.gateway.api.params import Names, QueryModel, Status, Time, integer
 from tracegym.gateway.deps import RecorderDep, StoreDep
-from tracegym.gateway.errors import OpenAIError, bad_request, error_responses
+from tracegym.gateway.openai_errors import OpenAIError, bad_request, error_responses
 from tracegym.gateway.traces.reads import list_spans as read_spans
-from tracegym.gateway.traces.store.errors import Conflict, NotFound
 from tracegym.gateway.traces.store.schema import (
     ID_MAX_LENGTH,
     INT32_MAX,
@@ -31,6 +30,7 @@ from tracegym.gateway.traces.store.schema import (
 )
 from tracegym.gateway.traces.store.schema import events as E
 from tracegym.gateway.traces.store.schema import tasks as TASKS
+from tracegym.gateway.traces.store.store_errors import Conflict, NotFound
 
 router = APIRouter(prefix="/api", tags=["control"])
 T = TypeVar("T")

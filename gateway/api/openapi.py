@@ -3,7 +3,7 @@ fuzzes the running gateway against it with schemathesis).
 
 FastAPI's generated schema is kept, with two corrections applied to every operation:
 
-- its default 422 "Validation Error" is never answered (``errors.py`` turns validation failures into
+- its default 422 "Validation Error" is never answered (``openai_errors.py`` turns validation failures into
   400s in the gateway's error shape), so it becomes a 400 with ``ErrorBody``;
 - an operation that takes a request body also answers 413 (the front's body limit, ``--max-body-bytes``);
 - an optional query parameter may be empty, which counts as absent (``params.QueryModel``).
@@ -12,8 +12,9 @@ and what the front's checks (``proxy/auth.py``) answer: 415 for a request body t
 ingest aside); with an admin key, 401 and 403 on every route but the open ones, and the two ways to send a
 key as security schemes; with a Host allow-list, 421 everywhere.
 
-Every other status a route answers is declared on the route itself (``responses=error_responses(...)``),
-and the hot inference routes by their stand-ins in ``proxy/routes.py`` (``proxy/hot_schemas.py``)."""
+Every other status a route answers is declared on the route itself (``responses=error_responses(...)``).
+The inference routes, which the ASGI front serves without FastAPI, are added from their declarations
+(``proxy/inference_openapi.py``) and corrected like the rest."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from tracegym.gateway.errors import ErrorBody, error_responses
+from tracegym.gateway.openai_errors import ErrorBody, error_responses
 from tracegym.gateway.proxy.auth import NO_JSON_RULE, OPEN, classify
-from tracegym.gateway.proxy.hot_schemas import SERVED_MODEL
+from tracegym.gateway.proxy.inference_openapi import SERVED_MODEL, inference_paths
 
 _FASTAPI_ONLY = ("HTTPValidationError", "ValidationError")
 
@@ -76,6 +77,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                          description="tracegym's gateway: OpenAI/Anthropic-compatible inference routes that "
                          "record every call, and the control API of its trace store (docs/api.md).")
+    schema["paths"] = inference_paths() | schema.get("paths", {})
     served = getattr(getattr(app.state, "services", None), "served_model", None)
     guard = getattr(app.state, "guard", None)
     for path, path_item in schema.get("paths", {}).items():

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from tracegym.gateway.deps import BodyLimitDep, StoreDep
-from tracegym.gateway.errors import OpenAIError, bad_request, error_responses
+from tracegym.gateway.openai_errors import OpenAIError, bad_request, error_responses
 from tracegym.gateway.traces.call_spans import ROLLOUT_ID, attributes_to_row_fields, json_safe
 from tracegym.gateway.traces.store.span_rows import SpanBatch
 

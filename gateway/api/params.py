@@ -2,7 +2,7 @@
 
 Each route takes one ``QueryModel`` subclass as ``Annotated[Model, Query()]``: FastAPI validates the
 fields and, since the model forbids extra fields, refuses an unknown parameter (a 400 in the error shape
-of ``errors.py``). An empty value counts as absent; a repeated list parameter (``ids``) and a
+of ``openai_errors.py``). An empty value counts as absent; a repeated list parameter (``ids``) and a
 comma-separated one mean the same."""
 
 from __future__ import annotations

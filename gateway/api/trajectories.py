@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 
 from tracegym.gateway.api.params import Mode, Names, QueryModel, Status, Time
 from tracegym.gateway.deps import StoreDep
-from tracegym.gateway.errors import NDJSONResponse, OpenAIError, bad_request, error_responses
+from tracegym.gateway.openai_errors import NDJSONResponse, OpenAIError, bad_request, error_responses
 from tracegym.gateway.traces.assembly import AssemblyOptions, assemble_rollout, check_invariants
 from tracegym.gateway.traces.reads import iter_token_calls
 from tracegym.gateway.traces.store.rollouts import check_status

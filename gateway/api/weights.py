@@ -29,7 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.responses import Response, StreamingResponse
 
 from tracegym.gateway.api.params import integer
-from tracegym.gateway.errors import ERROR_REF, NDJSONResponse, OpenAIError, bad_request, error_responses
+from tracegym.gateway.openai_errors import (
+    ERROR_REF,
+    NDJSONResponse,
+    OpenAIError,
+    bad_request,
+    error_responses,
+)
 from tracegym.gateway.proxy.upstream.swap import Bucket, DistributedUpdate, GroupSpec, SwapCoordinator
 from tracegym.gateway.traces.store.schema import INT32_MAX, INT64_MAX
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from starlette.responses import Response
 
-from tracegym.gateway.errors import OpenAIError, error_response
-from tracegym.gateway.proxy.anthropic.errors import error_body as anthropic_error_body
+from tracegym.gateway.openai_errors import OpenAIError, error_response
+from tracegym.gateway.proxy.anthropic.anthropic_errors import error_body as anthropic_error_body
 
 TOKEN_PREFIX = "tgr."
 _SIG_HEX = 64

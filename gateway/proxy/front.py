@@ -1,35 +1,41 @@
-"""The app's outermost middleware: request metrics for every route, and a fast path for the hot
-inference routes (``routes.HOT_ROUTES``: ``POST /v1/chat/completions``, ``/v1/completions``,
-``/v1/responses``, ``/v1/messages``, ``/v1/messages/count_tokens`` and their
-``/rollouts/{rollout_id}/v1/...`` forms).
+"""The gateway's one way in: ``GatewayFront``, the outermost ASGI layer of the app (``app.GatewayApp``
+puts it outside FastAPI's own middleware stack, so tests and ``tracegym serve`` run the same app).
 
-Every request first passes the app's ``auth.Guard`` (keys, Host allow-list, JSON content type).
-
-The hot routes are not FastAPI routes: this front calls their handlers directly, with the OpenAI error
-shape (the Messages handlers answer theirs in Anthropic's), and so skips the framework's per-request
-layers (exception/telemetry middleware, async exit stack, routing, dependency resolution), a large share
-of the gateway's CPU per call. Every other route goes through FastAPI unchanged."""
+Every request passes the app's ``auth.Guard`` (keys, Host allow-list, JSON content type) and is counted in
+the request metrics. The inference routes (``INFERENCE_ROUTES``: ``POST /v1/chat/completions``,
+``/v1/completions``, ``/v1/responses``, ``/v1/messages``, ``/v1/messages/count_tokens`` and their
+``/rollouts/{rollout_id}/v1/...`` forms) are served here and only here: the front calls their handlers
+directly, with the OpenAI error shape (the Messages handlers answer theirs in Anthropic's), and so skips
+the framework's per-request layers (error, telemetry and body-limit middleware, exception middleware,
+async exit stack, routing, dependency resolution), a large share of the gateway's CPU per call. They are
+no FastAPI routes: ``/openapi.json`` declares them from ``inference_openapi.py``, and a method other than
+POST is answered here with 405. Every other route goes through FastAPI, with the same body limit."""
 
 from __future__ import annotations
-
-from collections.abc import Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.errors import OpenAIError, error_response, internal_error
-from tracegym.gateway.proxy.auth import Guard
+from tracegym.gateway.openai_errors import OpenAIError, error_body, error_response, internal_error
+from tracegym.gateway.proxy.anthropic.messages_routes import count_tokens, create_message
+from tracegym.gateway.proxy.call_path import InferenceHandler
+from tracegym.gateway.proxy.completions_routes import create_chat_completion, create_completion
+from tracegym.gateway.proxy.responses.responses_routes import create_response
 
-Handler = Callable[[Request, Services, str | None], Awaitable[Response]]
+INFERENCE_ROUTES: dict[str, InferenceHandler] = {
+    "/v1/chat/completions": create_chat_completion, "/v1/completions": create_completion,
+    "/v1/responses": create_response, "/v1/messages": create_message, "/v1/messages/count_tokens": count_tokens,
+}
+"""The routes ``GatewayFront`` serves (POST only), by path; each also under ``/rollouts/{rollout_id}``."""
 _ROLLOUTS = "/rollouts/"
+InferenceRoute = tuple[InferenceHandler, str | None, str]
+"""``(handler, rollout_id, route template)``."""
 
 
-def match_hot_route(method: str, path: str, routes: dict[str, Handler]) -> tuple[Handler, str | None, str] | None:
-    """``(handler, rollout_id, route template)`` for a hot route, else None."""
-    if method != "POST":
-        return None
+def match_inference_route(path: str, routes: dict[str, InferenceHandler]) -> InferenceRoute | None:
+    """The inference route of ``path`` (whatever the method), else None."""
     handler = routes.get(path)
     if handler is not None:
         return handler, None, path
@@ -43,8 +49,11 @@ def match_hot_route(method: str, path: str, routes: dict[str, Handler]) -> tuple
     return handler, rollout_id, "/rollouts/{rollout_id}/" + tail
 
 
-class GatewayMiddleware:
-    def __init__(self, app: ASGIApp, routes: dict[str, Handler]) -> None:
+class GatewayFront:
+    """Guard, metrics and body limit for every request; the inference routes served directly (see the
+    module docstring). ``app``: FastAPI's middleware stack, for every other request."""
+
+    def __init__(self, app: ASGIApp, routes: dict[str, InferenceHandler]) -> None:
         self.app = app
         self.routes = routes
 
@@ -52,12 +61,9 @@ class GatewayMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        services: Services | None = getattr(scope["app"].state, "services", None)
-        hot = match_hot_route(scope["method"], scope["path"], self.routes) if services is not None else None
-        await self._counted(hot, services, scope["app"].state.guard, scope, receive, send)
-
-    async def _counted(self, hot: tuple[Handler, str | None, str] | None, services: Services | None,
-                       guard: Guard, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope["app"].state
+        services: Services | None = getattr(state, "services", None)
+        route = match_inference_route(scope["path"], self.routes)
         status = 500
 
         async def send_wrapper(message: Message) -> None:
@@ -67,23 +73,23 @@ class GatewayMiddleware:
             await send(message)
 
         try:
-            denial = guard.check(scope)
+            denial = state.guard.check(scope)
             if denial is not None:
                 await denial.response(scope["path"])(scope, receive, send_wrapper)
-            elif hot is None:
+            elif route is None:
                 limit = services.settings.max_body_bytes if services is not None else None
                 await self._framework(scope, receive, send_wrapper, limit)
             else:
-                await self._hot(hot, services, scope, receive, send_wrapper)  # type: ignore[arg-type]
+                await self._inference(route, services, scope, receive, send_wrapper)
         except ClientDisconnect:  # nobody to answer (the call was recorded as such); counted as nginx's 499
             status = 499
         finally:
             if services is not None:
-                path = hot[2] if hot is not None else getattr(scope.get("route"), "path", "unmatched")
+                path = route[2] if route is not None else getattr(scope.get("route"), "path", "unmatched")
                 services.metrics.count_request(path, scope["method"], status)
 
     async def _framework(self, scope: Scope, receive: Receive, send: Send, limit: int | None) -> None:
-        """Any other route, through FastAPI, with the same body limit as the hot routes (413 up front
+        """Any other route, through FastAPI, with the same body limit as the inference routes (413 up front
         for a declared length over it, else as soon as the bytes read pass it)."""
         if limit is None:
             await self.app(scope, receive, send)
@@ -114,11 +120,16 @@ class GatewayMiddleware:
 
         await self.app(scope, counted, answer)
 
-    async def _hot(self, hot: tuple[Handler, str | None, str], services: Services, scope: Scope,
-                   receive: Receive, send: Send) -> None:
-        handler, rollout_id, _ = hot
+    async def _inference(self, route: InferenceRoute, services: Services | None, scope: Scope,
+                         receive: Receive, send: Send) -> None:
+        handler, rollout_id, _ = route
         try:
-            response = await handler(Request(scope, receive), services, rollout_id)
+            if scope["method"] != "POST":
+                response = not_allowed()
+            elif services is None:  # the lifespan has not built the services (yet)
+                response = error_response(503, OpenAIError(503, "the gateway is not serving yet").body())
+            else:
+                response = await handler(Request(scope, receive), services, rollout_id)
         except ClientDisconnect:
             raise
         except OpenAIError as e:
@@ -128,22 +139,13 @@ class GatewayMiddleware:
         await response(scope, receive, send)
 
 
-class HotFront(GatewayMiddleware):
-    """The same fast path, wrapped around the whole FastAPI ``app`` from outside (``tracegym serve``
-    does): hot routes then also skip Starlette's own middleware stack (error, telemetry and body-limit
-    wrappers); every other request goes to ``app``
-    untouched, whose inner ``GatewayMiddleware`` counts it."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        services = getattr(self.app.state, "services", None) if scope["type"] == "http" else None
-        hot = match_hot_route(scope["method"], scope["path"], self.routes) if services is not None else None
-        if hot is None:
-            await self.app(scope, receive, send)
-            return
-        await self._counted(hot, services, self.app.state.guard, scope, receive, send)
+def not_allowed() -> Response:
+    """405 for an inference route asked with another method than POST."""
+    response = error_response(405, error_body("Method Not Allowed", type="invalid_request_error"))
+    response.headers["Allow"] = "POST"
+    return response
 
 
 def too_large(limit: int) -> Response:
     return error_response(413, OpenAIError(413, f"request body exceeds the limit of {limit} bytes",
                                            code="request_too_large").body())
-

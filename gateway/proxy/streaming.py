@@ -1,5 +1,5 @@
 """SSE streaming in OpenAI's chunk format: upstream deltas → incremental detokenization → stop-string
-hold-back → the reasoning split (``delta.reasoning_content``, for reasoning templates: ``calls.
+hold-back → the reasoning split (``delta.reasoning_content``, for reasoning templates: ``openai_replies.
 separates_reasoning``) → streaming tool-call parsing → ``chat.completion.chunk`` / ``text_completion`` chunks, a
 final chunk per choice with its finish_reason, the usage chunk when asked, then ``data: [DONE]``.
 
@@ -16,20 +16,22 @@ from typing import Any, Protocol
 import orjson
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.errors import OpenAIError
-from tracegym.gateway.proxy.calls import (
+from tracegym.gateway.openai_errors import OpenAIError
+from tracegym.gateway.proxy.call_context import (
     CallContext,
     Prompt,
     acknowledge,
-    assistant_message,
     build_record,
     choice_record,
-    completion_logprobs_of,
     finish_call,
+    prompt_token_count,
+)
+from tracegym.gateway.proxy.openai_replies import (
+    assistant_message,
+    completion_logprobs_of,
     logprob_entries,
     openai_finish_reason,
     opens_in_reasoning,
-    prompt_token_count,
     separates_reasoning,
     tracegym_field,
     trim_stop,
@@ -103,7 +105,7 @@ class ChoiceStream:
     def __init__(self, svc: Services, parsed: ParsedRequest, index: int, *, parse_tools: bool = True,
                  reasoning: StreamingReasoningParser | None = None) -> None:
         """``parse_tools=False``: content deltas stay raw text (the Responses and Messages streams split
-        reasoning off first and parse tool calls in what follows, ``proxy/turns.py``). ``reasoning``: split
+        reasoning off first and parse tool calls in what follows, ``proxy/reply_parts.py``). ``reasoning``: split
         the text into ``reasoning_content`` and content deltas first (chat)."""
         self.svc, self.parsed, self.index = svc, parsed, index
         self.ids: list[int] = []
@@ -379,7 +381,7 @@ class EventWriter(Protocol):
     def error_events(self, e: OpenAIError) -> list[bytes]: ...
 
     def record(self, error: str | None) -> Awaitable[bool] | None:
-        """Record the call (once); returns ``calls.finish_call``'s ack."""
+        """Record the call (once); returns ``call_context.finish_call``'s ack."""
 
 
 async def sse_stream(
@@ -393,7 +395,7 @@ async def sse_stream(
     several events where chat sends one chunk, and a write per event cost them ~0.1 ms per call.
 
     The last chunk (the closing events, or the error events) waits until the call's span is committed
-    (``calls.acknowledge``); a span the store did not take ends the stream with the API's error event
+    (``call_context.acknowledge``); a span the store did not take ends the stream with the API's error event
     instead of its normal end."""
     error: str | None = "client disconnected"
     recorded = False

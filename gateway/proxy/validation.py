@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from tracegym.gateway.errors import bad_request
+from tracegym.gateway.openai_errors import bad_request
 from tracegym.gateway.proxy.prompt.templating import check_template_kwargs
 from tracegym.gateway.proxy.upstream.base import Operation, SamplingParams
 from tracegym.types import Api

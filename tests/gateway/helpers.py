@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from tests.procs import free_port
 from tracegym.gateway.api import control, otlp
-from tracegym.gateway.errors import install_error_handlers
+from tracegym.gateway.openai_errors import install_error_handlers
 from tracegym.gateway.proxy.auth import Guard
 from tracegym.gateway.traces.call_spans import attributes_to_row_fields, call_record_attributes, span_name
 from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan

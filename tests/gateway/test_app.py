@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import orjson
 import pytest
+from fastapi.testclient import TestClient
 
 from tests.gateway.app_support import (
     ADD_TOOL,
@@ -23,9 +24,8 @@ from tests.gateway.app_support import (
 )
 from tests.procs import ManagedProcess
 from tracegym.gateway.app import create_app
-from tracegym.gateway.proxy.front import HotFront
+from tracegym.gateway.proxy.front import GatewayFront
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
-from tracegym.gateway.proxy.routes import HOT_ROUTES
 from tracegym.gateway.serve import settings_from_args
 from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
 
@@ -351,23 +351,34 @@ def test_stop_string_is_trimmed_non_stream_and_stream(gw) -> None:
     assert streamed.choices[0].output_ids == calls[body["id"]].choices[0].output_ids  # the stop's tokens kept
 
 
-def test_hot_front_as_tracegym_serve_wraps_it(fake: ManagedProcess) -> None:
-    """``tracegym serve`` puts ``HotFront`` outside the app: hot routes (and their errors) answer as
-    before and are counted once; every other route (lifespan, /healthz, /metrics, 404s) is the app's."""
+def test_the_front_serves_inference_routes_and_passes_the_rest(fake: ManagedProcess) -> None:
+    """The front sits outside FastAPI's middleware stack: inference routes (and their errors) are served by
+    it and counted once, another method on them is a 405; every other route (lifespan, /healthz, /metrics,
+    404s) is FastAPI's."""
     rec = MemoryRecorder()
     app = create_app(GatewaySettings(upstream_url=fake.base_url, model=MODEL, store_url=None), recorder=rec)
-    with ServerThread(HotFront(app, HOT_ROUTES)) as srv:
+    assert isinstance(app.build_middleware_stack(), GatewayFront)
+    with ServerThread(app) as srv:
         assert httpx.get(srv.url + "/healthz").json()["status"] == "ok"
         body = _post(srv.url + "/rollouts/r-front/v1/chat/completions", {"model": MODEL, "messages": Q}).json()
         assert body["choices"][0]["message"]["content"] == REPLY
         assert body["tracegym"]["rollout_id"] == "r-front"
         bad = httpx.post(srv.url + "/v1/chat/completions", json={"model": "other", "messages": Q}, timeout=30)
         assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+        wrong = httpx.get(srv.url + "/rollouts/r-front/v1/messages")
+        assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
         assert httpx.get(srv.url + "/nope").status_code == 404
         text = httpx.get(srv.url + "/metrics").text
         route = 'route="/rollouts/{rollout_id}/v1/chat/completions",status="200"} 1.0'
         assert route in text and 'route="/v1/chat/completions",status="404"} 1.0' in text
         assert [c.rollout_id for c in rec.wait_for(1)] == ["r-front"]  # the 404 is not a call
+
+
+def test_inference_routes_before_the_lifespan_are_503() -> None:
+    app = create_app(GatewaySettings(upstream_url="http://127.0.0.1:9", model=MODEL, store_url=None))
+    client = TestClient(app)  # no lifespan: no services yet
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": Q})
+    assert r.status_code == 503 and r.json()["error"]["message"] == "the gateway is not serving yet"
 
 
 def test_switch_interval_is_set_while_serving_and_restored(fake) -> None:

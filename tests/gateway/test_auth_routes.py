@@ -224,7 +224,7 @@ def test_host_allow_list(fake: ManagedProcess) -> None:
         rebound = httpx.get(srv.url + "/healthz", headers={"Host": "attacker.example:8000"})
         assert rebound.status_code == 421 and _code(rebound) == "host_not_allowed"
         r = httpx.post(srv.url + "/v1/chat/completions", json=CHAT, headers={"Host": "attacker.example"})
-        assert r.status_code == 421  # the hot route too
+        assert r.status_code == 421  # the inference route too
 
 
 def test_no_key_or_token_in_the_logs(gw, tokens, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,6 +1,6 @@
 """Two gateway apps on one store (real uvicorn servers, the SGLang fake as the engine): a rollout's calls
 alternate between them and each still continues the exact ids of the call before it, which the other app
-served (``proxy/parents.py``); so does a call to a third app started afterwards (a restart). The e2e test
+served (``proxy/prefix_lookup.py``); so does a call to a third app started afterwards (a restart). The e2e test
 with real PostgreSQL and a real engine is ``tests/e2e/test_replicas_pg.py``."""
 
 from __future__ import annotations

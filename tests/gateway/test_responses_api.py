@@ -20,8 +20,8 @@ from tests.gateway.app_support import (
 )
 from tests.procs import ManagedProcess
 from tracegym.gateway.app import create_app
+from tracegym.gateway.proxy.front import INFERENCE_ROUTES
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
-from tracegym.gateway.proxy.routes import HOT_ROUTES
 from tracegym.gateway.settings import GatewaySettings
 
 MODEL = "tiny-random"
@@ -65,9 +65,9 @@ def _call_output(resp: dict, text: str) -> dict:
     return {"type": "function_call_output", "call_id": fc["call_id"], "output": text}
 
 
-def test_the_new_routes_are_hot(srv: ServerThread) -> None:
-    assert {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"} <= HOT_ROUTES.keys()
-    paths = srv.app.openapi()["paths"]  # the POSTs documented by FastAPI stand-ins; the front serves them
+def test_responses_and_messages_are_inference_routes(srv: ServerThread) -> None:
+    assert {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"} <= INFERENCE_ROUTES.keys()
+    paths = srv.app.openapi()["paths"]  # the POSTs declared by inference_openapi; the front serves them
     assert set(paths["/v1/responses"]) == {"post"} and set(paths["/v1/messages"]) == {"post"}
     assert set(paths["/v1/responses/{response_id}"]) == {"get"}
 

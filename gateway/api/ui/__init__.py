@@ -1,4 +1,4 @@
-"""The trace inspector: a read-only web UI at ``/ui`` and the JSON routes it reads (``routes``).
+"""The trace inspector: a read-only web UI at ``/ui`` and the JSON routes it reads (``inspector_routes``).
 
 The front end is static files in this package (``static/``: one HTML shell, plain JavaScript, CSS, and
 uPlot for the charts, vendored from its npm package with its licence): no build step, nothing fetched from
@@ -15,8 +15,8 @@ from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import HTMLResponse
 from starlette.staticfiles import StaticFiles
 
-from tracegym.gateway.api.ui.routes import InspectorState
-from tracegym.gateway.api.ui.routes import router as api_router
+from tracegym.gateway.api.ui.inspector_routes import InspectorState
+from tracegym.gateway.api.ui.inspector_routes import router as api_router
 
 STATIC = resources.files(__package__) / "static"
 

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from tracegym.gateway.api.params import QueryModel, Status
 from tracegym.gateway.api.ui.flags import FlaggedRollouts
-from tracegym.gateway.errors import bad_request
+from tracegym.gateway.openai_errors import bad_request
 from tracegym.gateway.traces.store import ui_reads
 from tracegym.gateway.traces.store.db import decode_cursor, encode_cursor, iso
 from tracegym.gateway.traces.store.rollouts import check_status

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.proxy.calls import CallContext, Prompt, tracegym_field
+from tracegym.gateway.proxy.call_context import CallContext, Prompt
+from tracegym.gateway.proxy.openai_replies import tracegym_field
 from tracegym.gateway.proxy.prompt.tools import parse_arguments
-from tracegym.gateway.proxy.turns import Turn, turn_result
+from tracegym.gateway.proxy.reply_parts import Turn, turn_result
 from tracegym.gateway.proxy.upstream.base import GenerateResult
 from tracegym.gateway.proxy.validation import ParsedRequest
 from tracegym.types import CallRecord
@@ -59,7 +60,7 @@ def message_object(svc: Services, ctx: CallContext, content: list[dict[str, Any]
 
 def non_stream_body(svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt,
                     result: GenerateResult) -> tuple[dict, CallRecord]:
-    """``serving.Builder`` of ``POST /v1/messages``."""
+    """``call_path.Builder`` of ``POST /v1/messages``."""
     tr = turn_result(svc, parsed, ctx, prompt, result, tool_id_prefix=TOOL_ID_PREFIX)
     stop, seq = stop_reason(tr.finish, tr.stop_matched, parsed)
     body = message_object(svc, ctx, content_blocks(tr.turn, ctx.call_id), stop=stop, stop_sequence=seq,

@@ -5,7 +5,7 @@ Translation: ``system`` → a system message first; a user message's ``text`` bl
 each ``tool_result`` → a ``tool`` message (in block order); an assistant message → one assistant message
 whose content is its ``thinking`` and ``text`` in the canonical form of ``prompt/reasoning.py`` and whose
 ``tool_calls`` are its ``tool_use`` blocks, which is exactly the message the gateway recorded for that
-reply (``turns.Turn.chat_message``), so prefix reuse continues its sampled ids. ``tools`` (``input_schema``)
+reply (``reply_parts.Turn.chat_message``), so prefix reuse continues its sampled ids. ``tools`` (``input_schema``)
 → function tools; ``tool_choice`` auto/any/tool/none → auto/required/named/none; ``stop_sequences`` → stop.
 
 Taken but without effect on the call: ``metadata``, ``thinking`` (the model's template decides whether
@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tracegym.gateway.errors import bad_request
+from tracegym.gateway.openai_errors import bad_request
 from tracegym.gateway.proxy.prompt.reasoning import join_reasoning
 from tracegym.gateway.proxy.upstream.base import SamplingParams
 from tracegym.gateway.proxy.validation import ParsedRequest, _boolean, _get, _integer, _model, _number

@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.errors import OpenAIError
+from tracegym.gateway.openai_errors import OpenAIError
+from tracegym.gateway.proxy.anthropic.anthropic_errors import error_body, error_message
 from tracegym.gateway.proxy.anthropic.body import TOOL_ID_PREFIX, message_object, stop_reason, tool_use_block
-from tracegym.gateway.proxy.anthropic.errors import error_body, error_message
-from tracegym.gateway.proxy.calls import CallContext, Prompt, tracegym_field
-from tracegym.gateway.proxy.turns import TurnEvent, TurnWriter, sse_event
+from tracegym.gateway.proxy.call_context import CallContext, Prompt
+from tracegym.gateway.proxy.openai_replies import tracegym_field
+from tracegym.gateway.proxy.reply_parts import TurnEvent, TurnWriter, sse_event
 from tracegym.gateway.proxy.validation import ParsedRequest
 
 

@@ -23,7 +23,7 @@ A reply matches when it comes back as recorded (its reasoning as ``reasoning_con
 A request whose messages equal an earlier call's messages (a retry) reuses that call's prompt ids whole.
 
 The earlier calls are the ones this process served (memory), or on a miss the rollout's calls another
-gateway recorded in the shared store (``PromptPlan.lookup``, ``PrefixCache.replan``, ``proxy/parents.py``).
+gateway recorded in the shared store (``PromptPlan.lookup``, ``PrefixCache.replan``, ``proxy/prefix_lookup.py``).
 
 Cost: the drift check does not re-tokenize the history. A parent whose own prompt matched its
 re-render stores where its text was last split by a special token; the check tokenizes only from
@@ -159,7 +159,7 @@ class PrefixCache:
     gateways on one store, no sticky routing), or this one before a restart or an eviction, finds no parent
     here, or an older one. Its messages then hold an assistant turn after the part the plan reuses that
     no call in memory explains: ``plan.lookup`` says so, and ``cache.replan(rid, plan, records)`` with the
-    rollout's stored calls (``proxy/parents.py`` reads them, off the event loop) adds the ones the request
+    rollout's stored calls (``proxy/prefix_lookup.py`` reads them, off the event loop) adds the ones the request
     extends and plans again, exactly as if they had been remembered here. A turn the store does not
     explain either (the agent wrote it) is not looked up again.
     """

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.proxy.calls import CallContext, Prompt, tracegym_field
+from tracegym.gateway.proxy.call_context import CallContext, Prompt
+from tracegym.gateway.proxy.openai_replies import tracegym_field
+from tracegym.gateway.proxy.reply_parts import Turn, TurnResult, reasoning_tokens, turn_result
 from tracegym.gateway.proxy.responses.chain import source_request
 from tracegym.gateway.proxy.responses.items import output_items
-from tracegym.gateway.proxy.turns import Turn, TurnResult, reasoning_tokens, turn_result
 from tracegym.gateway.proxy.upstream.base import GenerateResult
 from tracegym.gateway.proxy.validation import ParsedRequest
 from tracegym.types import CallRecord
@@ -67,7 +68,7 @@ def created_body(svc: Services, parsed: ParsedRequest, ctx: CallContext, result:
 
 def non_stream_body(svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt,
                     result: GenerateResult) -> tuple[dict, CallRecord]:
-    """``serving.Builder`` of ``POST /v1/responses``."""
+    """``call_path.Builder`` of ``POST /v1/responses``."""
     tr = turn_result(svc, parsed, ctx, prompt, result)
     n = reasoning_tokens(svc, tr.record.choices[0].output_ids, tr.turn)
     return created_body(svc, parsed, ctx, tr, reasoning=n, weight_version=result.weight_version,

@@ -15,8 +15,8 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.errors import OpenAIError
-from tracegym.gateway.proxy.calls import CallContext
+from tracegym.gateway.openai_errors import OpenAIError
+from tracegym.gateway.proxy.call_context import CallContext
 from tracegym.gateway.proxy.prompt.message_keys import message_key
 from tracegym.gateway.proxy.responses.items import item_ids
 from tracegym.gateway.traces.reads import call_record

@@ -5,7 +5,7 @@ messages; a run of assistant items (a ``reasoning`` item, assistant ``message``s
 one response outputs) becomes one assistant message whose content is the reasoning and text in the
 canonical form of ``prompt/reasoning.py`` and whose ``tool_calls`` are the function calls; a
 ``function_call_output`` becomes a ``tool`` message. So history sent back as items translates to exactly
-the message the gateway recorded for that response (``turns.Turn.chat_message``), and prefix reuse
+the message the gateway recorded for that response (``reply_parts.Turn.chat_message``), and prefix reuse
 continues its sampled ids.
 
 Output: a ``Turn`` as output items, ids derived from the response id (the same on ``POST`` and ``GET``)."""
@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracegym.gateway.errors import bad_request
+from tracegym.gateway.openai_errors import bad_request
 from tracegym.gateway.proxy.prompt.reasoning import join_reasoning
-from tracegym.gateway.proxy.turns import Turn
+from tracegym.gateway.proxy.reply_parts import Turn
 
 _USER_ROLES = ("user", "system", "developer")
 _ASSISTANT_ITEMS = ("reasoning", "function_call")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tracegym.gateway.errors import bad_request
+from tracegym.gateway.openai_errors import bad_request
 from tracegym.gateway.proxy.responses.items import InputItems, check_tool_outputs, input_items
 from tracegym.gateway.proxy.upstream.base import SamplingParams
 from tracegym.gateway.proxy.validation import ParsedRequest, _boolean, _get, _integer, _model, _number

@@ -24,8 +24,10 @@ from typing import Any
 import orjson
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.errors import OpenAIError
-from tracegym.gateway.proxy.calls import CallContext, Prompt, tracegym_field
+from tracegym.gateway.openai_errors import OpenAIError
+from tracegym.gateway.proxy.call_context import CallContext, Prompt
+from tracegym.gateway.proxy.openai_replies import tracegym_field
+from tracegym.gateway.proxy.reply_parts import TurnEvent, TurnWriter, reasoning_tokens, sse_event
 from tracegym.gateway.proxy.responses.body import response_object, status_of, usage
 from tracegym.gateway.proxy.responses.items import (
     function_call_item,
@@ -34,7 +36,6 @@ from tracegym.gateway.proxy.responses.items import (
     output_text_part,
     reasoning_item,
 )
-from tracegym.gateway.proxy.turns import TurnEvent, TurnWriter, reasoning_tokens, sse_event
 from tracegym.gateway.proxy.validation import ParsedRequest
 
 

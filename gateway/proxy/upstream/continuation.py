@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tracegym.gateway.errors import OpenAIError
+from tracegym.gateway.openai_errors import OpenAIError
 from tracegym.gateway.proxy.upstream.base import GenChoice, GenerateRequest, TopLogprob
 from tracegym.types import WeightVersionSpan
 

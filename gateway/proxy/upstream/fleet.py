@@ -34,7 +34,7 @@ from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from tracegym.gateway.errors import OpenAIError, UpstreamUnavailable
+from tracegym.gateway.openai_errors import OpenAIError, UpstreamUnavailable
 from tracegym.gateway.proxy.upstream.base import (
     GenChoice,
     GenerateRequest,

@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tracegym.gateway.errors import OpenAIError
+from tracegym.gateway.openai_errors import OpenAIError
 
 if TYPE_CHECKING:
     from tracegym.gateway.proxy.upstream.fleet import Engine, UpstreamFleet

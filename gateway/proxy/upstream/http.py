@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tracegym.gateway.errors import OpenAIError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from tracegym.gateway.openai_errors import OpenAIError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from tracegym.gateway.errors import UpstreamTimeout, UpstreamUnavailable
+from tracegym.gateway.openai_errors import UpstreamTimeout, UpstreamUnavailable
 
 
 class _StaleConnection(ConnectionError):
@@ -105,7 +105,7 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
-class H1Pool:
+class KeepAlivePool:
     """Keep-alive connections to one ``http://host:port``; ``post_json(path, body)`` → (status, bytes).
     Owned by the upstream adapter (closed with it); used from one event loop."""
 
@@ -113,7 +113,7 @@ class H1Pool:
                  max_idle: int = 256, idle_timeout: float = 4.0, api_key: str | None = None) -> None:
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"H1Pool takes an http://host[:port] URL, got {base_url!r}")
+            raise ValueError(f"KeepAlivePool takes an http://host[:port] URL, got {base_url!r}")
         self.host, self.port = u.hostname, u.port or 80
         self._prefix = u.path.rstrip("/")
         self._host_header = f"{self.host}:{self.port}" if u.port else self.host

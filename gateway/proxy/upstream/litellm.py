@@ -9,7 +9,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tracegym.gateway.errors import OpenAIError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
+from tracegym.gateway.openai_errors import OpenAIError, UpstreamRejected, UpstreamTimeout, UpstreamUnavailable
 from tracegym.gateway.proxy.upstream.base import (
     GenerateRequest,
     GenerateResult,

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tracegym.gateway.errors import UpstreamRejected
+from tracegym.gateway.openai_errors import UpstreamRejected
 from tracegym.gateway.proxy.upstream.base import (
     GenChoice,
     GenerateRequest,

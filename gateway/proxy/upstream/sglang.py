@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tracegym.gateway.errors import UpstreamRejected, UpstreamUnavailable
+from tracegym.gateway.openai_errors import UpstreamRejected, UpstreamUnavailable
 from tracegym.gateway.proxy.upstream.base import (
     GenChoice,
     GenerateRequest,
@@ -52,7 +52,7 @@ from tracegym.gateway.proxy.upstream.http import (
     sse_events,
     upstream_errors,
 )
-from tracegym.gateway.proxy.upstream.keepalive import H1Pool
+from tracegym.gateway.proxy.upstream.keepalive import KeepAlivePool
 from tracegym.gateway.proxy.upstream.lora import AdapterTable
 from tracegym.gateway.proxy.upstream.swap import SwapGate
 
@@ -208,7 +208,7 @@ class SGLangUpstream(Upstream):
         self._timeout = request_timeout(timeout, connect_timeout)
         self._health_timeout = aiohttp.ClientTimeout(total=health_timeout)
         self._bg = BackgroundTasks()
-        self._pool = H1Pool(self.base_url, connect_timeout=connect_timeout, read_timeout=timeout, api_key=api_key) \
+        self._pool = KeepAlivePool(self.base_url, connect_timeout=connect_timeout, read_timeout=timeout, api_key=api_key) \
             if self.base_url.startswith("http://") else None
         """The non-stream ``/generate`` hot path (``keepalive.py``); https and everything else use aiohttp."""
         self.gate = SwapGate()

@@ -37,7 +37,7 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tracegym.gateway.errors import OpenAIError, UpstreamUnavailable
+from tracegym.gateway.openai_errors import OpenAIError, UpstreamUnavailable
 
 if TYPE_CHECKING:
     from tracegym.gateway.proxy.upstream.sglang import SGLangUpstream

@@ -16,11 +16,11 @@ from typing import Any
 import sqlalchemy as sa
 
 from tracegym.gateway.traces.store.db import Database, now
-from tracegym.gateway.traces.store.errors import Conflict, NotFound
 from tracegym.gateway.traces.store.rollouts import read_rollout, rollout_dict
 from tracegym.gateway.traces.store.schema import check_id_length, check_text, max_length
 from tracegym.gateway.traces.store.schema import rollouts as R
 from tracegym.gateway.traces.store.schema import tasks as T
+from tracegym.gateway.traces.store.store_errors import Conflict, NotFound
 
 
 def _new_id(prefix: str) -> str:

@@ -3,7 +3,7 @@ task queue, events/weights/metrics), all sharing one ``Database`` (engine + tran
 
 Every method is synchronous and thread-safe (one SQLAlchemy engine with a connection pool); async routes
 call them through ``starlette.concurrency.run_in_threadpool``. Errors: ``NotFound`` (-> 404),
-``Conflict`` (-> 409) from ``tracegym.gateway.traces.store.errors``, ``ValueError`` for bad input (-> 400).
+``Conflict`` (-> 409) from ``tracegym.gateway.traces.store.store_errors``, ``ValueError`` for bad input (-> 400).
 """
 
 from __future__ import annotations

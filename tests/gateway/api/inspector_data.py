@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from tracegym.gateway.api import ui
-from tracegym.gateway.errors import install_error_handlers
+from tracegym.gateway.openai_errors import install_error_handlers
 from tracegym.gateway.traces.call_spans import insert_call_records
 from tracegym.gateway.traces.store import Store
 from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan

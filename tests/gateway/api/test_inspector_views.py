@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from tests.gateway.api.inspector_data import FakeServices, Scenario, inspector_app, make_scenario
 from tracegym.gateway.api.ui.calls_view import tool_parse_status
-from tracegym.gateway.api.ui.routes import advantages
+from tracegym.gateway.api.ui.inspector_routes import advantages
 from tracegym.gateway.api.ui.tokens import TokenTexts
 
 

@@ -1,5 +1,5 @@
 """``/openapi.json`` says what the gateway answers (``api/openapi.py``): no FastAPI 422 (validation is a
-400), every body-taking route declares 413, the hot inference routes are listed with their request
+400), every body-taking route declares 413, the inference routes are listed with their request
 bodies, errors point at ``ErrorBody``; and 405s name the allowed methods in ``Allow``. The running
 gateway is fuzzed against the schema in ``tests/e2e/test_openapi_fuzz.py``."""
 
@@ -10,11 +10,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.gateway.helpers import make_app
 from tracegym.gateway.app import create_app
-from tracegym.gateway.proxy import routes as openai_routes
+from tracegym.gateway.proxy.front import INFERENCE_ROUTES
 from tracegym.gateway.settings import GatewaySettings
-from tracegym.gateway.traces.store import Store
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +45,8 @@ def test_every_body_route_declares_413_and_errors_are_error_bodies(schema: dict[
     assert schema["components"]["schemas"]["ErrorBody"]["required"] == ["error"]
 
 
-@pytest.mark.parametrize("path", sorted(openai_routes.HOT_ROUTES))
-def test_hot_routes_are_documented_with_their_bodies(schema: dict[str, Any], path: str) -> None:
+@pytest.mark.parametrize("path", sorted(INFERENCE_ROUTES))
+def test_inference_routes_are_documented_with_their_bodies(schema: dict[str, Any], path: str) -> None:
     for documented in (path, "/rollouts/{rollout_id}" + path):
         op = schema["paths"][documented]["post"]
         body = op["requestBody"]["content"]["application/json"]["schema"]
@@ -77,21 +75,26 @@ def test_optional_query_parameters_may_be_empty(schema: dict[str, Any]) -> None:
 
 
 def test_a_405_names_every_method_of_the_path(sqlite_url: str) -> None:
-    store = Store.open(sqlite_url)
-    app = make_app(store)
-    app.include_router(openai_routes.router)
-    try:
-        with TestClient(app) as client:
-            r = client.request("TRACE", "/api/weight_versions")  # a GET and a POST route share the path
-            assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "POST"}
-            assert r.json()["error"]["type"] == "invalid_request_error"
-            # the documented methods of the most literal template: not GET, which /api/rollouts/{rollout_id} takes
-            assert client.options("/api/rollouts/claim").headers["allow"] == "POST"
-            for path in ("/v1/chat/completions", "/rollouts/r1/v1/messages"):  # hot routes, via their stand-ins
-                r = client.get(path)
-                assert r.status_code == 405 and r.headers["allow"] == "POST", path
-    finally:
-        store.close()
+    app = create_app(GatewaySettings(upstream_url="http://127.0.0.1:9", store_url=sqlite_url))
+    client = TestClient(app)  # no lifespan: the routers only need the store for requests that reach them
+    r = client.request("TRACE", "/api/weight_versions")  # a GET and a POST route share the path
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "POST"}
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    # the documented methods of the most literal template: not GET, which /api/rollouts/{rollout_id} takes
+    assert client.options("/api/rollouts/claim").headers["allow"] == "POST"
+    for path in ("/v1/chat/completions", "/rollouts/r1/v1/messages"):  # inference routes, answered by the front
+        r = client.get(path)
+        assert r.status_code == 405 and r.headers["allow"] == "POST", path
+        assert r.json()["error"]["type"] == "invalid_request_error", path
+
+
+def test_the_inference_operations_are_fastapi_shaped(schema: dict[str, Any]) -> None:
+    """Declared without FastAPI, they still look like its operations: tagged, named, one rollout parameter."""
+    ops = [op for item in schema["paths"].values() for op in item.values()]
+    assert len({op["operationId"] for op in ops}) == len(ops)
+    op = schema["paths"]["/rollouts/{rollout_id}/v1/responses"]["post"]
+    assert op["tags"] == ["inference"] and op["operationId"] == "v1_responses_rollout"
+    assert op["summary"] == "Responses (calls attributed to the rollout)"
 
 
 def test_inference_examples_name_the_served_model(tmp_path) -> None:
@@ -100,6 +103,6 @@ def test_inference_examples_name_the_served_model(tmp_path) -> None:
 
     app = create_app(GatewaySettings(upstream_url="http://127.0.0.1:9", store_url=f"sqlite:///{tmp_path / 't.db'}"))
     app.state.services = SimpleNamespace(served_model="tiny-random")
-    for path in openai_routes.HOT_ROUTES:
+    for path in INFERENCE_ROUTES:
         body = app.openapi()["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["example"]["model"] == "tiny-random", path

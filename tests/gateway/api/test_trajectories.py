@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from tracegym.gateway.api.trajectories import router
-from tracegym.gateway.errors import install_error_handlers
+from tracegym.gateway.openai_errors import install_error_handlers
 from tracegym.gateway.traces.assembly import check_invariants
 from tracegym.gateway.traces.call_spans import insert_call_records
 from tracegym.gateway.traces.reads import list_call_records

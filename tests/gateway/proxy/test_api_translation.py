@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracegym.gateway.errors import OpenAIError
+from tracegym.gateway.openai_errors import OpenAIError
 from tracegym.gateway.proxy.anthropic.body import content_blocks, stop_reason
 from tracegym.gateway.proxy.anthropic.request import chat_request as messages_chat_request
 from tracegym.gateway.proxy.anthropic.request import parse_messages
 from tracegym.gateway.proxy.prompt.message_keys import message_key
+from tracegym.gateway.proxy.reply_parts import Turn
 from tracegym.gateway.proxy.responses.items import check_tool_outputs, input_items, output_items
 from tracegym.gateway.proxy.responses.request import chat_request, parse_responses
-from tracegym.gateway.proxy.turns import Turn
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
 

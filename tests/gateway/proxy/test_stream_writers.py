@@ -10,10 +10,10 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracegym.gateway.proxy.calls import CallContext, Prompt
+from tracegym.gateway.proxy.call_context import CallContext, Prompt
+from tracegym.gateway.proxy.reply_parts import sse_event
 from tracegym.gateway.proxy.responses.request import chat_request, parse_responses
 from tracegym.gateway.proxy.responses.stream import ResponsesStreamWriter
-from tracegym.gateway.proxy.turns import sse_event
 
 SVC = SimpleNamespace(upstream=SimpleNamespace(token_native=False), tokenizer=None, served_model="m")
 

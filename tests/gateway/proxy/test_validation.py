@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tracegym.gateway.errors import OpenAIError
+from tracegym.gateway.openai_errors import OpenAIError
 from tracegym.gateway.proxy.validation import parse_chat
 
 

@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestServer
 from tests.gateway.app_support import REPLY, MemoryRecorder, ServerThread, sse_payloads, start_fake
 from tests.procs import ManagedProcess
 from tracegym.gateway.app import create_app
-from tracegym.gateway.errors import UpstreamRejected
+from tracegym.gateway.openai_errors import UpstreamRejected
 from tracegym.gateway.proxy.upstream.base import GenerateRequest, SamplingParams
 from tracegym.gateway.proxy.upstream.http import make_session
 from tracegym.gateway.proxy.upstream.openai import OpenAIUpstream

@@ -12,8 +12,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from tests.procs import free_port
-from tracegym.gateway.errors import UpstreamTimeout, UpstreamUnavailable
-from tracegym.gateway.proxy.upstream.keepalive import H1Pool
+from tracegym.gateway.openai_errors import UpstreamTimeout, UpstreamUnavailable
+from tracegym.gateway.proxy.upstream.keepalive import KeepAlivePool
 
 
 class Echo:
@@ -55,7 +55,7 @@ async def _server() -> tuple[TestServer, Echo]:
 
 async def test_reuses_connections_and_parses_bodies() -> None:
     srv, echo = await _server()
-    pool = H1Pool(f"http://127.0.0.1:{srv.port}", connect_timeout=2, read_timeout=5)
+    pool = KeepAlivePool(f"http://127.0.0.1:{srv.port}", connect_timeout=2, read_timeout=5)
     try:
         for i in range(5):
             status, raw = await pool.post_json("/generate", orjson.dumps({"i": i, "u": "é🙂"}))
@@ -74,7 +74,7 @@ async def test_reuses_connections_and_parses_bodies() -> None:
 
 async def test_server_closed_idle_connection_is_replaced() -> None:
     srv, echo = await _server()
-    pool = H1Pool(f"http://127.0.0.1:{srv.port}", connect_timeout=2, read_timeout=5, idle_timeout=60)
+    pool = KeepAlivePool(f"http://127.0.0.1:{srv.port}", connect_timeout=2, read_timeout=5, idle_timeout=60)
     try:
         await pool.post_json("/generate", orjson.dumps({"close_later": True}))
         await asyncio.sleep(0.4)  # the server drops the idle connection
@@ -86,11 +86,11 @@ async def test_server_closed_idle_connection_is_replaced() -> None:
 
 
 async def test_failures_map_to_gateway_errors() -> None:
-    pool = H1Pool(f"http://127.0.0.1:{free_port()}", connect_timeout=2, read_timeout=5)
+    pool = KeepAlivePool(f"http://127.0.0.1:{free_port()}", connect_timeout=2, read_timeout=5)
     with pytest.raises(UpstreamUnavailable, match="unreachable"):
         await pool.post_json("/generate", b"{}")
     srv, _ = await _server()
-    pool = H1Pool(f"http://127.0.0.1:{srv.port}", connect_timeout=2, read_timeout=0.3)
+    pool = KeepAlivePool(f"http://127.0.0.1:{srv.port}", connect_timeout=2, read_timeout=0.3)
     try:
         with pytest.raises(UpstreamTimeout, match=r"did not answer within 0\.3s"):
             await pool.post_json("/generate", orjson.dumps({"sleep": 2}))
@@ -102,7 +102,7 @@ async def test_failures_map_to_gateway_errors() -> None:
         pool.close()
         await srv.close()
     with pytest.raises(ValueError, match="http://"):
-        H1Pool("https://example.com", connect_timeout=1, read_timeout=1)
+        KeepAlivePool("https://example.com", connect_timeout=1, read_timeout=1)
 
 
 async def test_reused_connection_closed_on_arrival_is_retried_once() -> None:
@@ -122,7 +122,7 @@ async def test_reused_connection_closed_on_arrival_is_retried_once() -> None:
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    pool = H1Pool(f"http://127.0.0.1:{port}", connect_timeout=2, read_timeout=5)
+    pool = KeepAlivePool(f"http://127.0.0.1:{port}", connect_timeout=2, read_timeout=5)
     try:
         assert await pool.post_json("/generate", b"{}") == (200, b"{}")
         assert await pool.post_json("/generate", b"{}") == (200, b"{}")

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from tracegym.gateway.errors import OpenAIError
+from tracegym.gateway.openai_errors import OpenAIError
 
 _TYPES = {
     400: "invalid_request_error",

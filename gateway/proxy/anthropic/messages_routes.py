@@ -1,5 +1,5 @@
-"""Messages routes, hot like chat (served by the ASGI front): ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens``, also under ``/rollouts/{rollout_id}/v1/`` (so
+"""Anthropic's Messages routes, ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (handlers the
+ASGI front serves, ``front.INFERENCE_ROUTES``), also under ``/rollouts/{rollout_id}/v1/`` (so
 ``anthropic.Anthropic(base_url=f"{gateway}/rollouts/{rid}")`` attributes its calls) and with
 ``X-Rollout-Id``. ``x-api-key`` and ``anthropic-version`` are accepted (this gateway checks no key of its
 own here). Every failure is answered in Anthropic's error shape."""
@@ -7,28 +7,25 @@ own here). Every failure is answered in Anthropic's error shape."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.errors import OpenAIError, bad_request
+from tracegym.gateway.openai_errors import OpenAIError, bad_request
+from tracegym.gateway.proxy.anthropic.anthropic_errors import error_body, error_response
 from tracegym.gateway.proxy.anthropic.body import non_stream_body
-from tracegym.gateway.proxy.anthropic.errors import error_body, error_response
 from tracegym.gateway.proxy.anthropic.request import chat_request, parse_messages
 from tracegym.gateway.proxy.anthropic.stream import MessagesStreamWriter
-from tracegym.gateway.proxy.calls import new_context
-from tracegym.gateway.proxy.serving import check_model, read_body, run_call
+from tracegym.gateway.proxy.call_context import new_context
+from tracegym.gateway.proxy.call_path import InferenceHandler, check_model, read_body, run_call
 from tracegym.gateway.proxy.validation import load_json_object
 
 log = logging.getLogger("tracegym.gateway")
 
-Handler = Callable[[Request, Services, "str | None"], Awaitable[Response]]
 
-
-def anthropic_errors(handler: Handler) -> Handler:
+def anthropic_errors(handler: InferenceHandler) -> InferenceHandler:
     """``handler`` answering its errors in Anthropic's shape (the front answers OpenAI's)."""
 
     async def wrapped(request: Request, svc: Services, rollout_id: str | None) -> Response:

@@ -29,7 +29,7 @@ from tracegym.gateway.api.ui.system import queue_report, span_counters, upstream
 from tracegym.gateway.api.ui.token_view import trainer_logprobs, trajectory_view
 from tracegym.gateway.api.ui.tokens import TokenTexts
 from tracegym.gateway.deps import ServicesDep, StoreDep
-from tracegym.gateway.errors import OpenAIError, bad_request, error_responses
+from tracegym.gateway.openai_errors import OpenAIError, bad_request, error_responses
 from tracegym.gateway.traces.assembly import AssemblyOptions, assemble_rollout
 from tracegym.gateway.traces.reads import iter_token_calls, list_spans
 from tracegym.gateway.traces.store import ui_reads

@@ -1,5 +1,5 @@
-"""One choice's reply as the Responses and Messages APIs present it (a ``Turn``: reasoning, text, tool
-calls), whole or streamed, and the record of the call, which is the same whichever API made it.
+"""One choice's reply split into its parts as the Responses and Messages APIs present it (a ``Turn``:
+reasoning, text, tool calls), whole or streamed, and the record of the call, which is the same whichever API made it.
 
 The reply is split in a fixed order: the reasoning block first (``prompt/reasoning.py``), then tool calls
 in the text after it (``prompt/tools.py``), so tool-call syntax inside the reasoning stays reasoning. The
@@ -16,17 +16,15 @@ from typing import Any, Literal
 import orjson
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.proxy.calls import (
+from tracegym.gateway.proxy.call_context import (
     CallContext,
     Prompt,
     build_record,
     choice_record,
-    choice_text,
     finish_call,
-    openai_finish_reason,
-    opens_in_reasoning,
     prompt_token_count,
 )
+from tracegym.gateway.proxy.openai_replies import choice_text, openai_finish_reason, opens_in_reasoning
 from tracegym.gateway.proxy.prompt.reasoning import (
     CLOSE,
     ReasoningDelta,

@@ -1,8 +1,8 @@
-"""OpenAPI declarations of the hot inference routes (``routes.HOT_ROUTES``), which the ASGI front serves
-without FastAPI's routing: their request bodies as JSON Schemas of the fields the gateway checks
-(``validation.py``, ``responses/request.py``, ``anthropic/request.py``; any other property is allowed, as
-OpenAI and Anthropic allow them) and the statuses they answer. ``routes.py`` attaches them to the
-FastAPI stand-ins of these routes, so ``/openapi.json`` lists them like any other route.
+"""OpenAPI declarations of the inference routes (``front.INFERENCE_ROUTES``), which the ASGI front serves
+without FastAPI, so FastAPI cannot describe them: their request bodies as JSON Schemas of the fields the
+gateway checks (``validation.py``, ``responses/request.py``, ``anthropic/request.py``; any other property
+is allowed, as OpenAI and Anthropic allow them) and the statuses they answer. ``inference_paths`` gives
+their path items, which ``api/openapi.py`` adds to ``/openapi.json`` beside FastAPI's routes.
 
 A body the schema accepts may still be refused with a 400 by a check a schema cannot say (a tool call
 id that answers no call, a chat template that refuses the conversation): the schema is what the gateway
@@ -10,9 +10,10 @@ checks field by field, not a promise that every conversation renders."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from tracegym.gateway.errors import ERROR_REF
+from tracegym.gateway.openai_errors import ERROR_REF
 
 Schema = dict[str, Any]
 
@@ -119,9 +120,8 @@ ANTHROPIC_ERROR: Schema = {
 OPENAI_ERROR: Schema = ERROR_REF
 
 # Statuses: 400 (a field fails its check, or the body is not JSON), 404 (another model's name), 413 (body
-# over the limit), 415 (a Content-Type that is not JSON: declared for the Content-Type check of issue 15's
-# hardening, which this gateway does not make yet), 429/502/503/504 (the upstream's failures and
-# timeouts, as errors.py maps them).
+# over the limit), 415 (a Content-Type that is not JSON, ``auth.Guard``), 429/502/503/504 (the upstream's
+# failures and timeouts, as ``openai_errors.py`` maps them).
 CALL_ERRORS = (400, 404, 413, 415, 429, 502, 503, 504)
 COUNT_ERRORS = (400, 404, 413, 415)
 _MEANINGS = {
@@ -146,24 +146,22 @@ def _nulls_are_absent(body: Schema) -> Schema:
 
 def operation(summary: str, body: Schema, example: dict[str, Any], *, error: Schema = OPENAI_ERROR,
               stream: bool = True, errors: tuple[int, ...] = CALL_ERRORS) -> dict[str, Any]:
-    """``openapi_extra`` and ``responses`` of one hot route: its request body (with an example) and its
-    answers."""
+    """The OpenAPI operation of one inference route: its request body (with an example) and its answers."""
     ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
     if stream:
         ok["text/event-stream"] = {"schema": {"description": "each event's data: a JSON chunk (Chat Completions "
                                               "and Completions end with data: [DONE])"}}
-    responses: dict[int | str, dict[str, Any]] = {200: {"description": "The reply (an SSE stream with "
-                                                        "stream: true)" if stream else "The count",
-                                                        "content": ok}}
+    responses: dict[str, dict[str, Any]] = {"200": {"description": "The reply (an SSE stream with stream: true)"
+                                                    if stream else "The count", "content": ok}}
     for status in errors:
-        responses[status] = {"description": _MEANINGS[status],
-                             "content": {"application/json": {"schema": error}}}
-    extra = {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
-        "schema": _nulls_are_absent(body), "example": {"model": SERVED_MODEL, **example}}}}}
-    return {"openapi_extra": extra, "responses": responses}
+        responses[str(status)] = {"description": _MEANINGS[status],
+                                  "content": {"application/json": {"schema": error}}}
+    return {"tags": ["inference"], "summary": summary, "responses": responses,
+            "requestBody": {"required": True, "content": {"application/json": {
+                "schema": _nulls_are_absent(body), "example": {"model": SERVED_MODEL, **example}}}}}
 
 
-HOT_OPERATIONS: dict[str, dict[str, Any]] = {
+OPERATIONS: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": operation("Chat Completions", CHAT, {"messages": _ASK, "max_tokens": 8}),
     "/v1/completions": operation("Completions", COMPLETION, {"prompt": "2 + 3 =", "max_tokens": 8}),
     "/v1/responses": operation("Responses", RESPONSES, {"input": "What is 2 + 3?", "max_output_tokens": 8}),
@@ -172,4 +170,18 @@ HOT_OPERATIONS: dict[str, dict[str, Any]] = {
     "/v1/messages/count_tokens": operation("Anthropic Messages token count", COUNT_TOKENS, {"messages": _ASK},
                                            error=ANTHROPIC_ERROR, stream=False, errors=COUNT_ERRORS),
 }
-"""Per hot route, the keyword arguments of its FastAPI stand-in (``openapi_extra``, ``responses``)."""
+"""Per inference route, its ``POST`` operation."""
+_ROLLOUT_ID = {"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+
+
+def inference_paths() -> dict[str, dict[str, Any]]:
+    """The ``paths`` entries of the inference routes, each with its ``/rollouts/{rollout_id}`` form (fresh
+    dicts: the caller may amend them)."""
+    paths = {}
+    for path, op in OPERATIONS.items():
+        name = path.strip("/").replace("/", "_")
+        paths[path] = {"post": copy.deepcopy(op) | {"operationId": name}}
+        paths["/rollouts/{rollout_id}" + path] = {"post": copy.deepcopy(op) | {
+            "operationId": f"{name}_rollout", "summary": op["summary"] + " (calls attributed to the rollout)",
+            "parameters": [copy.deepcopy(_ROLLOUT_ID)]}}
+    return paths

@@ -1,6 +1,6 @@
-"""Responses routes: ``POST /v1/responses`` (a hot route, served by the ASGI front like chat) and
-``GET /v1/responses/{id}``, both also under ``/rollouts/{rollout_id}/v1/`` (and attributed with
-``X-Rollout-Id``). Errors in OpenAI's shape."""
+"""OpenAI's Responses routes: ``POST /v1/responses`` (a handler the ASGI front serves,
+``front.INFERENCE_ROUTES``) and ``GET /v1/responses/{id}`` (a FastAPI route), both also under
+``/rollouts/{rollout_id}/v1/`` (and attributed with ``X-Rollout-Id``). Errors in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from tracegym.gateway.deps import Services, ServicesDep
-from tracegym.gateway.errors import error_responses
-from tracegym.gateway.proxy.calls import new_context
+from tracegym.gateway.openai_errors import error_responses
+from tracegym.gateway.proxy.call_context import new_context
+from tracegym.gateway.proxy.call_path import read_body, run_call
 from tracegym.gateway.proxy.responses.body import non_stream_body, stored_body
 from tracegym.gateway.proxy.responses.chain import check_not_resent, find_response, load_previous, not_found
 from tracegym.gateway.proxy.responses.request import chat_request, parse_responses
 from tracegym.gateway.proxy.responses.stream import ResponsesStreamWriter
-from tracegym.gateway.proxy.serving import read_body, run_call
 from tracegym.gateway.proxy.validation import load_json_object
 
 router = APIRouter()

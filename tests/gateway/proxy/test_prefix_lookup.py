@@ -1,4 +1,4 @@
-"""Prefix parents from the store (``proxy/parents.py``): a miss finds the call another gateway recorded; a
+"""Prefix parents from the store (``proxy/prefix_lookup.py``): a miss finds the call another gateway recorded; a
 store that fails, is slow or is swamped leaves the plan from memory and never fails the call."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 
 from tests.gateway.proxy.prompt.test_prefix_reuse import END, Rollout, user
 from tracegym.gateway.deps import GatewayMetrics
-from tracegym.gateway.proxy import parents as parents_module
-from tracegym.gateway.proxy.parents import StoredParents
+from tracegym.gateway.proxy import prefix_lookup as prefix_lookup_module
+from tracegym.gateway.proxy.prefix_lookup import PrefixLookup
 from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 from tracegym.gateway.traces.call_spans import insert_call_records
@@ -55,7 +55,7 @@ def test_a_miss_reads_the_parent_another_gateway_stored(tok, store: Store) -> No
     insert_call_records(store, first.records)
     expected = first.cache.plan_request("r1", {"messages": msgs})
     metrics = GatewayMetrics(CollectorRegistry())
-    parents = StoredParents(store, metrics, timeout_s=5.0, limit=32)
+    parents = PrefixLookup(store, metrics, timeout_s=5.0, limit=32)
     cache = PrefixCache(tok)
     plan = cache.plan_request("r1", {"messages": msgs})
     assert plan.lookup and plan.prompt_ids != expected.prompt_ids
@@ -76,7 +76,7 @@ def test_a_failing_or_slow_store_leaves_the_plan_from_memory(tok) -> None:
     cache = PrefixCache(tok)
 
     async def replan(store: object, timeout_s: float) -> tuple[object, object, float]:
-        parents = StoredParents(store, metrics, timeout_s=timeout_s, limit=32)  # type: ignore[arg-type]
+        parents = PrefixLookup(store, metrics, timeout_s=timeout_s, limit=32)  # type: ignore[arg-type]
         plan = cache.plan_request("r1", {"messages": msgs})
         t = time.perf_counter()
         try:
@@ -100,11 +100,11 @@ def test_a_swamped_store_is_not_queued_behind(tok, monkeypatch: pytest.MonkeyPat
     _, msgs = _two_turns(tok)
     metrics = GatewayMetrics(CollectorRegistry())
     cache = PrefixCache(tok)
-    monkeypatch.setattr(parents_module, "MAX_WAITING", 2)
+    monkeypatch.setattr(prefix_lookup_module, "MAX_WAITING", 2)
     slow = FailingStore(delay_s=10.0)
 
     async def many() -> list[object]:
-        parents = StoredParents(slow, metrics, timeout_s=0.2, limit=32)  # type: ignore[arg-type]
+        parents = PrefixLookup(slow, metrics, timeout_s=0.2, limit=32)  # type: ignore[arg-type]
         try:
             plans = [cache.plan_request(f"r{i}", {"messages": msgs}) for i in range(4)]
             return await asyncio.gather(*(parents.replan(cache, f"r{i}", p) for i, p in enumerate(plans)))

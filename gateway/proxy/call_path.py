@@ -1,15 +1,16 @@
-"""The HTTP side of the one call path, shared by every inference API (Chat Completions, Completions,
-Responses, Messages): read the body, run a parsed call upstream, answer JSON bytes or an SSE stream.
+"""The one call path every inference API (Chat Completions, Completions, Responses, Messages) runs over
+HTTP: read the body, run a parsed call upstream (``run_call``: the steps of ``call_context.py``), answer
+JSON bytes or an SSE stream.
 
-An API differs only in its ``Builder`` (the non-stream body) and its stream writer (``EventWriter``);
-prompt planning with prefix reuse, the upstream request, failure recording and the call's record are
-the same for all of them."""
+An API differs only in its handler (an ``InferenceHandler``: parse its body into a ``ParsedRequest``), its
+``Builder`` (the non-stream body) and its stream writer (``EventWriter``); prompt planning with prefix
+reuse, the upstream request, failure recording and the call's record are the same for all of them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -17,8 +18,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.errors import OpenAIError, bad_request
-from tracegym.gateway.proxy.calls import (
+from tracegym.gateway.openai_errors import OpenAIError, bad_request
+from tracegym.gateway.proxy.call_context import (
     CallContext,
     Prompt,
     acknowledge,
@@ -31,6 +32,9 @@ from tracegym.gateway.proxy.streaming import EventWriter, StreamWriter, sse_stre
 from tracegym.gateway.proxy.upstream.base import GenerateResult
 from tracegym.gateway.proxy.validation import ParsedRequest
 
+InferenceHandler = Callable[[Request, Services, "str | None"], Awaitable[Response]]
+"""An inference route's handler (``front.INFERENCE_ROUTES``): the request, the services and the rollout id
+of a ``/rollouts/{rollout_id}/v1/...`` path."""
 Builder = Callable[[Services, ParsedRequest, CallContext, Prompt, GenerateResult], tuple[dict, Any]]
 WriterFactory = Callable[[Services, ParsedRequest, CallContext, Prompt], EventWriter]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,4 +1,5 @@
-"""Prefix parents from the store: what makes prefix reuse work across gateways.
+"""Prefix lookup: on a prefix-cache miss, a call's parents are read from the store. That makes prefix
+reuse work across gateways.
 
 The prefix cache (``prompt/prefix_reuse.py``) lives in one process's memory. With several gateways on one
 store (PostgreSQL) behind a load balancer that does not keep a rollout on one gateway, a rollout's next call
@@ -46,9 +47,9 @@ MAX_WAITING = 64
 """Lookups started and not yet finished (running or queued for a thread) beyond which a miss skips it."""
 
 
-class StoredParents:
-    """Reads a rollout's recorded calls for the prefix cache on a miss. Owned by the app's lifespan (which
-    calls ``close``); ``replan`` is called from the event loop only."""
+class PrefixLookup:
+    """Reads a rollout's recorded calls from the store for the prefix cache on a miss. Owned by the app's
+    lifespan (which calls ``close``); ``replan`` is called from the event loop only."""
 
     def __init__(self, store: Store, metrics: GatewayMetrics, *, timeout_s: float, limit: int = CALLS_READ) -> None:
         self.store = store

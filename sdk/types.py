@@ -59,7 +59,8 @@ class ChoiceRecord:
 
 @dataclass(slots=True)
 class CallRecord:
-    """Everything the gateway knows about one LLM call; stored as one span."""
+    """Everything the gateway knows about one LLM call; stored as one span. (The gateway's assembly reads a
+    stored call as a ``TokenCall``: its token arrays and the few fields a trajectory needs.)"""
 
     call_id: str
     """The response id returned to the client (``chatcmpl-...``, ``cmpl-...``, ``resp_...``, ``msg_...``)."""

@@ -177,8 +177,9 @@ def recent_call_records(store: Store, rollout_id: str, limit: int) -> list[CallR
 
 
 # -- TokenCalls --------------------------------------------------------------------------------------------
-class _ChoiceMeta(msgspec.Struct, gc=False):
-    """The part of a ``tracegym.choices`` entry the assembly reads (its message is skipped unparsed)."""
+class _ChoiceSpanAttributes(msgspec.Struct, gc=False):
+    """The decoding schema of the part of a ``tracegym.choices`` entry a ``TokenChoice`` needs (its message
+    is skipped unparsed)."""
 
     index: int
     n_output_ids: int | None = None
@@ -191,32 +192,34 @@ _CALL_KEYS = {"call_id": CALL_ID, "choices": CHOICES, "rollout_id": ROLLOUT_ID,
               "retokenized": "tracegym.retokenized"}
 
 
-class _CallMeta(msgspec.Struct, gc=False, rename=_CALL_KEYS):
-    """The attributes of an LLM call span the assembly reads; every other key is skipped unparsed (no Python
-    object for the messages, usage or sampling settings)."""
+class _CallSpanAttributes(msgspec.Struct, gc=False, rename=_CALL_KEYS):
+    """Not a call type: the decoding schema of a stored call span's attributes JSON, the keys a
+    ``TokenCall`` takes from it (choices by their lengths, whose blobs come from the token columns); every
+    other key is skipped unparsed (no Python object for the messages, usage or sampling settings). It lives
+    only inside ``token_calls_of_rows``."""
 
     call_id: str
-    choices: list[_ChoiceMeta]
+    choices: list[_ChoiceSpanAttributes]
     rollout_id: str | None = None
     agent_name: str | None = None
     weight_version: str | None = None
     retokenized: bool = False
 
 
-_decode_meta = msgspec.json.Decoder(_CallMeta, strict=False).decode
+_decode_call_attributes = msgspec.json.Decoder(_CallSpanAttributes, strict=False).decode
 
 
-def _older_call_meta(rid: str, source: str, text: bytes | str) -> _CallMeta | None:
+def _older_call_attributes(rid: str, source: str, text: bytes | str) -> _CallSpanAttributes | None:
     """The call attributes of a row without a request column: an agent's own span (None), or a call
     written before migration 0003, whose request body is inside its attributes."""
     attrs = _call_attributes(source, text, None, False)
     try:
-        return None if attrs is None else msgspec.convert(attrs, _CallMeta, strict=False)
+        return None if attrs is None else msgspec.convert(attrs, _CallSpanAttributes, strict=False)
     except msgspec.ValidationError as e:
         raise ValueError(f"bad LLM call span in rollout {rid!r}: {e}") from None
 
 
-def _token_choices(meta: list[_ChoiceMeta], output: bytes | None, lps: bytes | None) -> list[TokenChoice]:
+def _token_choices(meta: list[_ChoiceSpanAttributes], output: bytes | None, lps: bytes | None) -> list[TokenChoice]:
     """A call's ``TokenChoice``s cut from its token columns by the lengths its ``tracegym.choices`` entries
     record (``split_blob``, which raises ValueError for what does not match)."""
     outputs = split_blob(output, [c.n_output_ids for c in meta])
@@ -238,11 +241,11 @@ def token_calls_of_rows(rows: list[tuple]) -> list[TokenCall]:
     for rid, source, t0, status, text, prompt, output, lps, request in rows:
         if request:  # only call spans have the request column (since migration 0003)
             try:
-                m = _decode_meta(text)
+                m = _decode_call_attributes(text)
             except msgspec.DecodeError as e:
                 raise ValueError(f"bad LLM call span in rollout {rid!r}: {e}") from None
         else:
-            m = _older_call_meta(rid, source, text)
+            m = _older_call_attributes(rid, source, text)
             if m is None:
                 continue
         if prompt is not None and blob_count(prompt, ID_TAGS) < 0:

@@ -31,8 +31,12 @@ class TokenChoice(msgspec.Struct, gc=False):
 
 
 class TokenCall(msgspec.Struct, gc=False):
-    """One LLM call as the assembly reads it: ``prompt`` ids as a blob (None when unknown) and its
-    choices; the other fields as in ``CallRecord`` (``status`` is ``ok`` or ``error``).
+    """One LLM call as the assembly reads it, the stage after ``CallRecord``: a ``CallRecord`` is the whole
+    call as recorded (request, messages, timings; the SDK's contract), a ``TokenCall`` only its token arrays
+    as the store's blobs (``prompt`` ids, None when unknown, and its choices) and the fields the assembly
+    needs, as in ``CallRecord`` (``status`` is ``ok`` or ``error``). The store's read makes them straight
+    from the span rows (``reads.token_calls_of_rows``), without a ``CallRecord``; ``token_calls`` converts
+    ``CallRecord``s.
 
     Both are msgspec structs without garbage-collector tracking (``gc=False``: they hold no reference
     that could close a cycle): a store read makes one per span, and a tracked object costs the collector

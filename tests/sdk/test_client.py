@@ -11,7 +11,15 @@ import pytest
 import tracegym as tg
 from tests.sdk.fake_gateway import FakeGateway
 from tracegym import cli
-from tracegym.client import GatewayClient, _retry_reason, config_for, current_config
+from tracegym.client import (
+    GatewayClient,
+    RetryPolicy,
+    SDKConfig,
+    _retry_reason,
+    _Tries,
+    config_for,
+    current_config,
+)
 from tracegym.errors import UserError
 
 
@@ -50,6 +58,22 @@ def test_idempotent_posts_are_still_retried(gw: FakeGateway) -> None:
     with GatewayClient() as client:
         client.post("/api/rollouts/r/events", {"name": "x", "idempotency_key": "k"}, "send event")
     assert gw.state.attempts == ["r"] * 3
+
+
+def test_one_retry_policy_drives_both_clients() -> None:
+    """``_Tries`` is the retry loop of the blocking and the asyncio client alike."""
+    config = SDKConfig(gateway_url="http://gw", retry=RetryPolicy(attempts=3, backoff=1.0, max_backoff=8.0))
+    request = httpx.Request("POST", "http://gw/api/tasks")
+    tries = _Tries(config, "enqueue tasks", idempotent=True)
+    waits = list(tries.waits())
+    assert len(waits) == 3 and waits[0] == 0.0 and 0.75 <= waits[1] <= 1.25 and 1.5 <= waits[2] <= 2.5
+    assert tries.settle(httpx.Response(503, request=request)) is None and tries.last.startswith("HTTP 503")
+    ok = httpx.Response(200, request=request, json={})
+    assert tries.settle(ok) is ok
+    assert "after 3 attempts" in str(tries.give_up()) and "HTTP 503" in str(tries.give_up())
+    once = _Tries(config, "claim rollouts", idempotent=False)
+    with pytest.raises(tg.GatewayUnreachableError, match="not retried"):
+        once.settle(httpx.ReadTimeout("slow"))
 
 
 def test_config_for(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -301,11 +301,12 @@ class GatewayClient:
     def get(self, path: str, what: str, params: dict[str, Any] | None = None) -> Any:
         return self.request("GET", path, what, params=_clean(params)).json()
 
-    def iter_lines(self, path: str, what: str, params: dict[str, Any] | None = None) -> Iterator[str]:
+    def iter_lines(self, path: str, what: str, params: dict[str, Any] | None = None, *, method: str = "GET",
+                   body: dict[str, Any] | None = None) -> Iterator[str]:
         """The non-empty lines of a JSON-lines answer, streamed (one try: a half-read stream is not
-        retried, so nothing is yielded twice)."""
+        retried, so nothing is yielded twice); ``body`` is sent as JSON (with ``method="POST"``)."""
         try:
-            with self._http.stream("GET", path, params=_clean(params)) as resp:
+            with self._http.stream(method, path, params=_clean(params), json=body) as resp:
                 if not resp.is_success:
                     resp.read()
                     _check(resp, what)

@@ -21,7 +21,7 @@ import torch
 
 from tests.gateway.app_support import sse_payloads
 from tests.procs import ManagedProcess, free_port, start_process
-from tracegym.trainer.weights.disk import (
+from tracegym.trainer.weights.distributed import (
     DistributedWeightSync,
     init_distributed,
     plan_buckets,

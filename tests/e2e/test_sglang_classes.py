@@ -32,7 +32,7 @@ from tests.gateway.app_support import SWAP_REPLY, recorded_gateway, start_fake
 from tests.procs import ManagedProcess, free_port, start_process
 from tracegym.gateway.proxy.upstream.base import GenerateRequest, SamplingParams
 from tracegym.gateway.proxy.upstream.sglang import generate_payload
-from tracegym.trainer.weights.disk import DistributedWeightSync
+from tracegym.trainer.weights.distributed import DistributedWeightSync
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

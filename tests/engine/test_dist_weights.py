@@ -16,7 +16,7 @@ import torch
 
 from tests.procs import free_port, start_process
 from tracegym.modelfiles.load import load_model
-from tracegym.trainer.weights.disk import group_broadcast, weight_update_group
+from tracegym.trainer.weights.distributed import group_broadcast, weight_update_group
 
 PROMPT = [1, 4093, 28, 2, 1, 1032, 34]
 

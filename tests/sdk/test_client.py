@@ -86,7 +86,7 @@ def test_config_for(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="http://"):
         config_for("gw.example")
 
-    from tracegym.trainer.gateway_client import ControlClient
+    from tracegym.trainer.run.gateway_client import ControlClient
 
     ctl = ControlClient("http://gw.example:8000/", timeout=60.0)
     try:

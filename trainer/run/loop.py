@@ -148,7 +148,7 @@ class Trainer:
             wandb_project=recipe.wandb_project,
             run_name=self.run_id,
         )
-        from tracegym.trainer.weights.disk import DiskWeightSync  # torch/ray imported only here
+        from tracegym.trainer.weights.disk import DiskWeightSync
         from tracegym.trainer.workers.group import WorkerGroup
         from tracegym.trainer.workers.ray_cluster import JoinError, PlacementError
 

@@ -1,4 +1,4 @@
-"""Adapter hot-swap, the LoRA counterpart of ``weight_sync.DiskWeightSync``: after a step the trainer
+"""Adapter hot-swap, the LoRA counterpart of ``disk.DiskWeightSync``: after a step the trainer
 writes only the adapters (PEFT directories, safetensors) and asks the gateway to load them
 (``POST /api/weights/lora``); the gateway pauses generation, loads each adapter into the upstream under
 a new name (``<adapter>-v<version>``, SGLang's ``/load_lora_adapter``), stamps the new weight version,
@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from tracegym.trainer.settings import LoraConfig
-from tracegym.trainer.weights.disk import DiskWeightSync, _answer
+from tracegym.trainer.weights.disk import DiskWeightSync
+from tracegym.trainer.weights.gateway import post_checked
 
 LORA_ROUTE = "/api/weights/lora"
 
@@ -34,4 +35,4 @@ class AdapterSync(DiskWeightSync):
         """Ask the gateway to serve ``paths`` (adapter name → directory) as ``version``; its answer."""
         body = {"weight_version": version, "per_agent": self.lora.per_agent,
                 "adapters": {name: str(Path(p).resolve()) for name, p in paths.items()}}
-        return _answer(self._client.post(LORA_ROUTE, json=body), LORA_ROUTE)
+        return post_checked(self._client, LORA_ROUTE, body)

@@ -9,17 +9,6 @@ fresh ``v<version>`` directory — written under a temporary name and renamed, s
 half-written file — then ``POST /api/weights/update {model_path, weight_version}``. Only the last
 ``keep`` version directories are kept.
 
-Distributed (SGLang on GPUs with NCCL; gloo on CPU is the same code): once, ``POST
-/api/weights/distributed/init`` in the background while rank 0 joins the same rendezvous
-(``weight_update_group``), since the engine's side of the init returns only once both have joined. Each
-push plans buckets from the parameters' names and shapes (no gather needed), posts them all to ``POST
-/api/weights/distributed/update``, and, as the gateway's NDJSON answer announces each bucket (it is
-asking the engine for it at that moment), gathers that bucket and broadcasts it from rank 0. So the
-trainer never broadcasts a bucket the engine was not asked to receive; a failure before a bucket (pause,
-flush, begin) ends the push without any collective left pending. A failure *during* a bucket's receive
-can leave this side's broadcast waiting until the group's timeout: the group is then unusable and must
-be set up again.
-
 What runs here: the disk path against the real embedded engine behind a real gateway; the distributed
 path against the real gateway and a fake SGLang, and over a real gloo group whose receiving end is a
 test stand-in built the way SGLang builds its side (``init_custom_process_group``, read from its
@@ -28,27 +17,16 @@ source). Not run here: NCCL, GPUs, and SGLang's own receiving code.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-import torch
+from tracegym.trainer.weights.gateway import post_checked, weights_client
 
 DISK_ROUTE = "/api/weights/update"
-INIT_ROUTE = "/api/weights/distributed/init"
-UPDATE_ROUTE = "/api/weights/distributed/update"
-
-
-class WeightSyncError(RuntimeError):
-    """The gateway (or the engine behind it) refused or failed a weight update; the message says why."""
 
 
 @dataclass(slots=True)
@@ -60,19 +38,6 @@ class SwapResult:
     update_s: float
     """The rest: the gateway's swap (pause, load, continue) outside this side's own work."""
     total_s: float
-
-
-def _answer(resp: httpx.Response, what: str) -> dict[str, Any]:
-    try:
-        body = resp.json()
-    except ValueError:
-        body = {"text": resp.text}
-    if resp.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
-        raise WeightSyncError(f"{what} failed: HTTP {resp.status_code}: {body}")
-    return body if isinstance(body, dict) else {"body": body}
-
-
-# ---------------------------------------------------------------------------------------------- disk
 
 
 class DiskWeightSync:
@@ -95,9 +60,7 @@ class DiskWeightSync:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.gateway_url, self.root, self.keep = gateway_url.rstrip("/"), Path(root), keep
         self.save_dtype = save_dtype
-        key = api_key or os.environ.get("TRACEGYM_API_KEY") or os.environ.get("TRACEGYM_ADMIN_KEY")
-        headers = {"Authorization": f"Bearer {key}"} if key else None
-        self._client = httpx.Client(base_url=self.gateway_url, timeout=timeout, headers=headers)
+        self._client = weights_client(self.gateway_url, api_key, timeout)
         # directories of earlier runs (a resumed loop) count towards ``keep`` too, oldest first
         earlier = [p for p in self.root.glob("v*") if p.is_dir()] if self.root.is_dir() else []
         self._written: list[Path] = sorted(earlier, key=lambda p: p.stat().st_mtime)
@@ -128,7 +91,7 @@ class DiskWeightSync:
     def load(self, path: Path, version: str) -> dict[str, Any]:
         """Ask the gateway to swap to ``path`` (it pauses, loads, continues); its answer, or raise."""
         body = {"model_path": str(Path(path).resolve()), "weight_version": version}
-        return _answer(self._client.post(DISK_ROUTE, json=body), DISK_ROUTE)
+        return post_checked(self._client, DISK_ROUTE, body)
 
     def _prune(self) -> None:
         while len(self._written) > self.keep:
@@ -136,202 +99,3 @@ class DiskWeightSync:
 
     def close(self) -> None:
         self._client.close()
-
-
-# ------------------------------------------------------------------------------------------ distributed
-
-Spec = tuple[str, list[int]]
-"""A parameter's name and full (unsharded) shape."""
-
-
-def plan_buckets(
-    specs: Iterable[tuple[str, Sequence[int]]], itemsize: int, bucket_bytes: int
-) -> list[list[Spec]]:
-    """Consecutive groups of at most ``bucket_bytes`` (a larger tensor goes alone), order kept."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    buckets: list[list[Spec]] = []
-    size = 0
-    for name, shape in specs:
-        n = itemsize
-        for d in shape:
-            n *= d
-        if not buckets or size + n > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, list(shape)))
-        size += n
-    return buckets
-
-
-def bucket_body(bucket: list[Spec], dtype: str) -> dict[str, Any]:
-    """One bucket as the gateway takes it (SGLang's field names)."""
-    return {"names": [n for n, _ in bucket], "dtypes": [dtype] * len(bucket),
-            "shapes": [s for _, s in bucket]}
-
-
-@dataclass
-class DistributedWeightSync:
-    """The trainer's side of a distributed push: plans buckets, asks the gateway, broadcasts on cue.
-    Picklable (settings only; HTTP clients are made per call) so a Ray actor can run it on rank 0."""
-
-    gateway_url: str
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
-    dtype: str = "bfloat16"
-    """What the tensors are cast to before the broadcast (and announced as)."""
-    bucket_bytes: int = 512 << 20
-    timeout_s: float = 600.0
-    api_key: str | None = field(default=None, repr=False)
-    """The gateway's admin key (default ``$TRACEGYM_API_KEY`` / ``$TRACEGYM_ADMIN_KEY``)."""
-
-    def _client(self) -> httpx.Client:
-        key = self.api_key or os.environ.get("TRACEGYM_API_KEY") or os.environ.get("TRACEGYM_ADMIN_KEY")
-        headers = {"Authorization": f"Bearer {key}"} if key else None
-        return httpx.Client(base_url=self.gateway_url.rstrip("/"), timeout=self.timeout_s, headers=headers)
-
-    def init_group(
-        self,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        join: Callable[[], Any],
-        rank_offset: int = 1,
-    ) -> Any:
-        """Ask the gateway to have the engine join the group (in the background: the engine's side
-        returns only once the trainer has joined too), run ``join()`` (rank 0's rendezvous) meanwhile,
-        and return what ``join`` returned. If the gateway refuses, ``join`` waits out its own timeout."""
-        body = {
-            "master_address": master_address, "master_port": master_port, "world_size": world_size,
-            "rank_offset": rank_offset, "group_name": self.group_name, "backend": self.backend,
-        }
-        with self._client() as client, ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(client.post, INIT_ROUTE, json=body)
-            joined = join()
-            _answer(fut.result(timeout=self.timeout_s), INIT_ROUTE)
-        return joined
-
-    def push(
-        self,
-        specs: Sequence[tuple[str, Sequence[int]]],
-        params: Iterator[tuple[str, torch.Tensor]],
-        version: str | int,
-        broadcast: Callable[[list[torch.Tensor]], None],
-    ) -> SwapResult:
-        """One update. ``specs``: every parameter's (name, full shape), in ``params`` order; ``params``:
-        the gathered tensors, lazily (consumed to the end whatever happens: the other ranks take part in
-        every gather); ``broadcast(tensors)`` sends one bucket from rank 0 of the group, in order."""
-        version = str(version)
-        to = getattr(torch, self.dtype)
-        buckets = plan_buckets(specs, torch.empty((), dtype=to).element_size(), self.bucket_bytes)
-        body = {"weight_version": version, "group_name": self.group_name,
-                "buckets": [bucket_body(b, self.dtype) for b in buckets]}
-        t0 = time.perf_counter()
-        send_s, sent, done = 0.0, 0, None
-        try:
-            with self._client() as client, client.stream("POST", UPDATE_ROUTE, json=body) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    _answer(resp, UPDATE_ROUTE)
-                for line in resp.iter_lines():
-                    if not line.strip():
-                        continue
-                    event = json.loads(line)
-                    if event["event"] == "done":
-                        done = event
-                        break
-                    if event["index"] != sent:
-                        raise WeightSyncError(
-                            f"the gateway announced bucket {event['index']}, expected {sent}"
-                        )
-                    ts = time.perf_counter()
-                    broadcast(_take(params, buckets[sent], to))
-                    send_s += time.perf_counter() - ts
-                    sent += 1
-        finally:
-            for _ in params:
-                pass
-        total = time.perf_counter() - t0
-        if done is None:
-            raise WeightSyncError(f"the gateway's answer ended after {sent} bucket(s), before the swap did")
-        if not done["success"]:
-            raise WeightSyncError(f"distributed weight update to {version} failed after {sent} of "
-                                  f"{len(buckets)} bucket(s): {done['message']}")
-        return SwapResult(version, None, send_s, total - send_s, total)
-
-
-def _take(
-    params: Iterator[tuple[str, torch.Tensor]], bucket: list[Spec], to: torch.dtype
-) -> list[torch.Tensor]:
-    out = []
-    for name, shape in bucket:
-        got = next(params, None)
-        if got is None or got[0] != name or list(got[1].shape) != shape:
-            raise WeightSyncError(f"expected parameter {name} {shape}, got "
-                                  f"{None if got is None else (got[0], list(got[1].shape))}")
-        out.append(got[1].to(to))
-    return out
-
-
-def weight_update_group(
-    master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl",
-    timeout_s: float = 600.0,
-) -> Any:
-    """The trainer's side (rank 0) of the weight-update group the engine joins in
-    ``/init_weights_update_group`` (the embedded engine with ``join_weight_update_group`` too, SGLang with
-    its ``init_custom_process_group``, which builds it the same way): a second, independent process group
-    next to the trainer's own."""
-    from tracegym.engine.dist_weights import join_weight_update_group
-
-    return join_weight_update_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
-
-
-def group_broadcast(pg: Any, device: str) -> Callable[[list[torch.Tensor]], None]:
-    """Broadcast each tensor of a bucket from rank 0 of ``pg``, in order (what SGLang receives); on
-    ``cuda`` for NCCL, on ``cpu`` for gloo."""
-    import torch.distributed as dist
-
-    def send(tensors: list[torch.Tensor]) -> None:
-        on_device = [t.to(device).contiguous() for t in tensors]  # kept alive until every broadcast is done
-        handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in on_device]
-        for h in handles:
-            h.wait()
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    return send
-
-
-def init_distributed(
-    group: Any, sync: DistributedWeightSync, master_address: str, master_port: int, engine_world_size: int
-) -> None:
-    """Set up the weight-update group between rank 0 of ``group`` (a ``WorkerGroup``) and the engine's
-    ``engine_world_size`` ranks, through the gateway."""
-    group.run_on_ranks(_init_on_rank, sync, master_address, master_port, engine_world_size + 1)
-
-
-def push_distributed(group: Any, sync: DistributedWeightSync, version: str | int) -> SwapResult:
-    """All ranks gather; rank 0 broadcasts on the gateway's cue (after ``init_distributed``)."""
-    return group.run_on_ranks(_push_on_rank, sync, str(version))[0]
-
-
-def _init_on_rank(worker: Any, sync: DistributedWeightSync, addr: str, port: int, world_size: int) -> None:
-    if worker.rank == 0:
-        worker.weight_group = sync.init_group(
-            addr, port, world_size,
-            lambda: weight_update_group(
-                addr, port, world_size, sync.group_name, sync.backend, sync.timeout_s
-            ),
-        )
-
-
-def _push_on_rank(worker: Any, sync: DistributedWeightSync, version: str) -> SwapResult | None:
-    params = worker.rank0_full_params()  # the other ranks only take part in the gathers
-    if params is None:
-        return None
-    if worker.weight_group is None:
-        for _ in params:
-            pass
-        raise WeightSyncError("rank 0 has no weight-update group: run init_distributed first")
-    device = "cuda" if sync.backend == "nccl" else "cpu"
-    return sync.push(worker.param_specs(), params, version, group_broadcast(worker.weight_group, device))

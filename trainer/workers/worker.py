@@ -68,7 +68,7 @@ class TrainWorker:
         self.step = 0
         self.weight_group: Any = None
         """Rank 0's process group with the inference engine, for distributed weight pushes
-        (``weight_sync.init_distributed``)."""
+        (``weights.distributed.init_distributed``)."""
 
     def address(self) -> tuple[str, int]:
         """This host's address and a free port, for the rank-0 rendezvous."""
@@ -270,7 +270,7 @@ class TrainWorker:
         return self.step
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(self, *args)`` on this rank (e.g. the distributed weight push, see ``weight_sync``)."""
+        """Run ``fn(self, *args)`` on this rank (e.g. the distributed weight push, see ``weights.distributed``)."""
         return fn(self, *args)
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ router = APIRouter(prefix="/api", tags=["inspector"])
 RolloutId = Annotated[str, Path(max_length=ID_MAX_LENGTH)]
 GroupId = Annotated[str, Path(max_length=ID_MAX_LENGTH)]
 ADVANTAGE_EPS = 1e-6
-"""As the trainer's GRPO (``trainer/advantages.py``): (r - mean) / (unbiased std + eps)."""
+"""As the trainer's GRPO (``trainer/algorithms/advantages.py``): (r - mean) / (unbiased std + eps)."""
 
 
 class InspectorState:
@@ -133,7 +133,7 @@ def inspect_group(group_id: GroupId, store: StoreDep) -> Response:
     ids = [r["rollout_id"] for r in rows]
     summaries = ui_reads.call_summaries(store.db, ids)
     replies = ui_reads.group_replies(store.db, ids)
-    # As the trainer builds a group: its completed rollouts, a missing reward counted as 0 (trainer/groups.py).
+    # As the trainer builds a group: its completed rollouts, a missing reward counted as 0 (trainer/run/build_batch.py).
     trained = [(r["reward"] or 0.0) if r["status"] == "completed" else None for r in rows]
     out = []
     for r, adv in zip(rows, advantages(trained), strict=True):

@@ -1,5 +1,5 @@
 """A stand-in for SGLang's receiving side of a distributed weight update, for the gloo test in
-``test_weight_sync.py`` (no tests here). It is not SGLang: it answers the control routes the gateway's
+``test_disk.py`` (no tests here). It is not SGLang: it answers the control routes the gateway's
 coordinator posts, joins the weight-update group the way SGLang's ``init_custom_process_group`` does
 (read from its source) as rank ``rank_offset``, and in ``/update_weights_from_distributed`` receives one
 ``dist.broadcast(src=0)`` per announced tensor, in order, like SGLang's handler.

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("sdk", "gateway", "trainer")
+PACKAGES = ("sdk", "gateway", "trainer", "engine", "modelfiles")
 
 
 def _contracts() -> list[dict]:
@@ -39,8 +39,37 @@ def test_sdk_contracts_name_every_sdk_module() -> None:
             contract["name"]
 
 
+def _layers(container: str) -> list[str]:
+    [layers] = [c for c in _contracts() if c["type"] == "layers" and c["containers"] == [container]]
+    return layers["layers"]
+
+
+def _rooms(folder: str) -> list[str]:
+    return sorted(p.parent.name for p in (ROOT / folder).glob("*/__init__.py"))
+
+
 def test_gateway_rooms_are_layered() -> None:
-    [layers] = [c for c in _contracts() if c["type"] == "layers"]
-    assert layers["containers"] == ["tracegym.gateway"] and layers["layers"] == ["api", "proxy", "traces"]
-    rooms = sorted(p.parent.name for p in (ROOT / "gateway").glob("*/__init__.py"))
-    assert rooms == ["api", "proxy", "traces"]
+    assert _layers("tracegym.gateway") == ["api", "proxy", "traces"]
+    assert _rooms("gateway") == ["api", "proxy", "traces"]
+
+
+def test_trainer_rooms_are_layered_and_each_has_its_tests() -> None:
+    """run over workers and weights over algorithms; the top level holds only the recipe and its sections."""
+    assert _layers("tracegym.trainer") == ["run", "workers | weights", "algorithms"]
+    assert _rooms("trainer") == ["algorithms", "run", "weights", "workers"]
+    assert sorted(p.name for p in (ROOT / "trainer").glob("*.py")) == ["__init__.py", "recipe.py", "settings.py"]
+    for room in _rooms("trainer"):
+        assert (ROOT / "tests" / "trainer" / room / "__init__.py").is_file(), room
+
+
+def test_packages_are_mapped_and_listed() -> None:
+    """Every package folder is installed: a new subpackage missing from pyproject would import here (the
+    editable install maps folders) and be missing from a wheel."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {v: k for k, v in tool["package-dir"].items()}
+    assert set(roots) == set(PACKAGES)
+    found = {roots[pkg] + "".join(f".{part}" for part in init.parent.relative_to(ROOT / pkg).parts)
+             for pkg in PACKAGES for init in (ROOT / pkg).rglob("__init__.py")}
+    assert found - {"tracegym.gateway.traces.store.migrations.versions"} <= set(tool["packages"])
+    assert set(tool["packages"]) <= found | {"tracegym.gateway.api.ui.static", "tracegym.gateway.api.ui.static.vendor",
+                                             "tracegym.gateway.traces.store.migrations.versions"}

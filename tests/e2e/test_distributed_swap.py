@@ -129,7 +129,7 @@ def test_a_distributed_push_reaches_both_engines_through_the_gateway(
         state = group.run_on_ranks(_gather)[0]
         assert _trainer_logprobs(state, tiny_model_dir, ids_a) != pytest.approx(before_a, abs=1e-3)
 
-        sync = DistributedWeightSync(gw.base_url, backend="gloo", dtype="float32", bucket_bytes=64 << 10)
+        sync = DistributedWeightSync(gw.base_url, backend="gloo", broadcast_dtype="float32", bucket_bytes=64 << 10)
         assert len(plan_buckets([(n, list(t.shape)) for n, t in state.items()], 4, sync.bucket_bytes)) > 2
         init_distributed(group, sync, "127.0.0.1", free_port(), engine_world_size=2)
 

@@ -107,7 +107,7 @@ def _drive(url: str, fake: ManagedProcess, tmp: Path) -> None:
     assert r.status_code == 200 and r.json()["success"], r.text
     cut.join(60)
     assert out["r"].status_code == 200, out["r"].text
-    sync = DistributedWeightSync(url, backend="gloo", dtype="float32", bucket_bytes=64, timeout_s=60)
+    sync = DistributedWeightSync(url, backend="gloo", broadcast_dtype="float32", bucket_bytes=64, timeout_s=60)
     sync.init_group("127.0.0.1", free_port(), 2, join=lambda: None)
     specs = [("model.a", [4, 4]), ("model.b", [8])]
 

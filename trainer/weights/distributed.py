@@ -70,7 +70,7 @@ class DistributedWeightSync:
     gateway_url: str
     group_name: str = "weight_update_group"
     backend: str = "nccl"
-    dtype: str = "bfloat16"
+    broadcast_dtype: str = "bfloat16"
     """What the tensors are cast to before the broadcast (and announced as)."""
     bucket_bytes: int = 512 << 20
     timeout_s: float = 600.0
@@ -111,10 +111,10 @@ class DistributedWeightSync:
         the gathered tensors, lazily (consumed to the end whatever happens: the other ranks take part in
         every gather); ``broadcast(tensors)`` sends one bucket from rank 0 of the group, in order."""
         version = str(version)
-        to = getattr(torch, self.dtype)
+        to = getattr(torch, self.broadcast_dtype)
         buckets = plan_buckets(specs, torch.empty((), dtype=to).element_size(), self.bucket_bytes)
         body = {"weight_version": version, "group_name": self.group_name,
-                "buckets": [bucket_body(b, self.dtype) for b in buckets]}
+                "buckets": [bucket_body(b, self.broadcast_dtype) for b in buckets]}
         t0 = time.perf_counter()
         send_s, sent, done = 0.0, 0, None
         try:

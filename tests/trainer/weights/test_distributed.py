@@ -70,7 +70,7 @@ def test_plan_buckets_keeps_order_and_budget() -> None:
 
 def test_distributed_push_announces_buckets_and_broadcasts_on_cue(fake_gateway) -> None:
     fake, gw = fake_gateway
-    sync = DistributedWeightSync(gw.url, backend="gloo", dtype="bfloat16", bucket_bytes=24)
+    sync = DistributedWeightSync(gw.url, backend="gloo", broadcast_dtype="bfloat16", bucket_bytes=24)
     c0 = len(_controls(fake))
     assert sync.init_group("127.0.0.1", 29999, 2, join=lambda: "joined") == "joined"
     assert _controls(fake)[c0:] == [{"path": "/init_weights_update_group", "body": {
@@ -106,7 +106,7 @@ def test_distributed_push_announces_buckets_and_broadcasts_on_cue(fake_gateway) 
 
 def test_a_failed_distributed_push_raises_and_still_consumes_every_parameter(fake_gateway) -> None:
     fake, gw = fake_gateway
-    sync = DistributedWeightSync(gw.url, dtype="float32", bucket_bytes=8)
+    sync = DistributedWeightSync(gw.url, broadcast_dtype="float32", bucket_bytes=8)
     model = Model([("a", [2]), ("b.fail", [2]), ("c", [2])])
     cued: list[int] = []
 
@@ -148,7 +148,7 @@ def test_a_gloo_push_from_a_worker_group_reaches_the_receiver(tiny_model_dir: Pa
     try:
         with weights_gateway(receiver.base_url, tiny_model_dir) as gw:
             group = WorkerGroup(tiny_model_dir, num_workers=1, train_cfg=TrainConfig(optim=OptimConfig(dtype="float32")), use_ray=False)
-            sync = DistributedWeightSync(gw.url, backend="gloo", dtype="float32", bucket_bytes=1 << 20)
+            sync = DistributedWeightSync(gw.url, backend="gloo", broadcast_dtype="float32", bucket_bytes=1 << 20)
             init_distributed(group, sync, "127.0.0.1", free_port(), engine_world_size=1)
             result = push_distributed(group, sync, "7")
             assert result.version == "7"

@@ -7,7 +7,7 @@ both), it samples first replies to held-out questions and counts replies that ca
 (``LOOKUP <word>``) and valid calls (the asked colour); then, given a valid call and its result, how often
 the next reply states the code; and how often a nudge after a missed call brings a valid call. The tool agent
 uses the prompt whose first replies call the tool rarely but not never: GRPO needs some successes in a
-group to learn from, and room above them to show it (README: Training a tool-using agent)."""
+group to learn from, and room above them to show it (docs/agents.md)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class Adapter:
 class RowPlan:
     """What the hooked layers apply in the forward now: ``(adapter, row mask [B, 1, 1] or None = every
     row)``. A mask over all rows, not gathered row indices: the adapter's matmuls are small, and a
-    gather + scatter per layer cost more than computing the masked rows (measured on SmolLM2)."""
+    gather + scatter per layer costs more than computing the masked rows."""
 
     groups: list[tuple[Adapter, torch.Tensor | None]] = field(default_factory=list)
 

@@ -60,8 +60,8 @@ def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> di
 
 def finite_sum(t: torch.Tensor) -> bool:
     """False when ``t`` holds a NaN or an inf: its fp32 sum is then NaN or inf (and also when finite values are
-    so large that their sum overflows, which no trained weight holds). One reduction, ~4-6x faster than
-    ``isfinite(t).all()`` on bf16 tensors (SmolLM2's 272 weights: 49 vs 213 ms; an adapter's 420: 2.6 vs 14.7)."""
+    so large that their sum overflows, which no trained weight holds). One reduction, cheaper than
+    ``isfinite(t).all()``, which makes a boolean copy of the tensor first."""
     return math.isfinite(t.sum(dtype=torch.float32))
 
 

@@ -1,4 +1,4 @@
-"""Screenshots of the trace inspector for the README: the runs page of a run and the token view of one of
+"""Screenshots of the trace inspector for its docs page (docs/inspector.md): the runs page of a run and the token view of one of
 its rollouts, taken with Debian's chromium through Playwright from a gateway serving the run's store.
 
     python scripts/inspector_screenshots.py http://127.0.0.1:8001 --run quickstart [--rollout ID] [--out docs/img]

@@ -120,7 +120,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = _parser(sub, "train", "the whole loop from a YAML recipe")
-    p.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe (README: The recipe)")
+    p.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe (docs/recipe.md)")
     p.add_argument("--resume", action="store_true",
                    help="continue the last run (run_dir's `latest`, or run_dir itself) from its checkpoint")
     p.add_argument("--overwrite", action="store_true",

@@ -157,7 +157,7 @@ def normalize_url(url: str) -> str:
 
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
-    """One CA-loaded SSL context for all SDK clients: building it is ~0.1 s, most of a client's cost."""
+    """One CA-loaded SSL context for all SDK clients: building it is most of a client's cost."""
     import certifi
 
     return ssl.create_default_context(cafile=certifi.where())

@@ -1,4 +1,4 @@
-"""The layout promises of README's architecture map: small files, a thin gateway top level, and import
+"""The layout promises of README's map of the code: small files, a thin gateway top level, and import
 contracts that cover every SDK module (``scripts/lint_imports.sh`` checks the contracts themselves)."""
 
 from __future__ import annotations

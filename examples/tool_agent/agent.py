@@ -8,7 +8,7 @@ environment at the end: 1.0 when the last reply holds the asked box's code, else
 
 Why a text protocol and not OpenAI function tools: SmolLM2-135M never writes the hermes ``<tool_call>``
 format (0 of 96 samples), but with one example exchange in the prompt it writes ``LOOKUP <colour>`` in
-about 1 of 10 replies: a behaviour GRPO can reinforce (README: Training a tool-using agent).
+about 1 of 10 replies: a behaviour GRPO can reinforce (docs/agents.md).
 
     tracegym train examples/tool_agent/recipe.yaml
 

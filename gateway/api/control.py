@@ -173,7 +173,7 @@ def enqueue(body: EnqueueIn, store: StoreDep) -> Response:
 @router.post("/rollouts/claim", responses=error_responses(400))
 def claim(body: ClaimIn, store: StoreDep, request: Request) -> Response:
     """Each claimed rollout comes with its ``token`` (on a gateway with an admin key): the key its agent
-    calls, rewards and emits with, valid for that rollout only (README, Security)."""
+    calls, rewards and emits with, valid for that rollout only (docs/security.md)."""
     rollouts = _call(store.claim, body.worker_id, limit=body.limit, lease_seconds=body.lease_seconds)
     guard = request.app.state.guard
     if guard.keyed:

@@ -1,4 +1,4 @@
-"""Who may call what (README, Security): the admin key, per-rollout tokens, the Host allow-list and the
+"""Who may call what (docs/security.md): the admin key, per-rollout tokens, the Host allow-list and the
 JSON content-type rule, checked once per request by the ASGI front (``front.py``) before any route runs.
 
 - With an admin key set, every route needs a key except ``/healthz``, the inspector's page and static

@@ -392,7 +392,7 @@ async def sse_stream(
 
     The events made at one moment (the opening and the first upstream event; those of one upstream event;
     the closing) go out as one body chunk, one socket write: the Responses and Messages grammars send
-    several events where chat sends one chunk, and a write per event cost them ~0.1 ms per call.
+    several events where chat sends one chunk, and a write per event would cost each call a syscall per event.
 
     The last chunk (the closing events, or the error events) waits until the call's span is committed
     (``call_context.acknowledge``); a span the store did not take ends the stream with the API's error event

@@ -76,8 +76,8 @@ _TAGS = {ord(t): t for t in "iqfd"}
 def decode_array(blob: bytes | memoryview | None) -> array | None:
     """The blob's values as an ``array`` of its own type (``i``/``q``/``f``/``d``); None stays None. A step on
     the way from a blob to a list (``decode``) or to another blob (``widen_ids``), and a blob's check; no
-    in-memory form (that is numpy): ``array.tolist()`` makes the list 1.3-1.7x faster than numpy's (most
-    for floats). (``array(tag, blob[1:])`` is one C call, cheaper than an empty array plus ``frombytes`` of a
+    in-memory form (that is numpy): ``array.tolist()`` makes the list faster than numpy's (most for
+    floats). (``array(tag, blob[1:])`` is one C call, cheaper than an empty array plus ``frombytes`` of a
     memoryview slice.)"""
     if blob is None:
         return None

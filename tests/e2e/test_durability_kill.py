@@ -1,7 +1,7 @@
 """Nothing acknowledged is lost: ``kill -9`` of ``tracegym serve`` under load (calls, streams and rewards
 from concurrent clients against the SGLang fake), then a restart on the same store, which must hold the
 span of every call answered 200 (a stream: ``[DONE]``) and every reward answered 201. One kill per store
-in CI; ``TRACEGYM_DURABILITY_KILLS=5`` repeats it (the README's numbers)."""
+in CI; ``TRACEGYM_DURABILITY_KILLS=5`` repeats it (the figures in docs/security.md)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
   the reply and a new user turn) alternating between the two, with the rollout's token (derived from the
   admin key, so either gateway takes it). Its trajectory is one merged sequence whose mask-1 tokens are
   exactly the ids the engine sampled, as the gateways returned them: the gateway that did not serve the
-  previous call finds it in the store and continues its ids (``proxy/parents.py``). tiny-random samples
+  previous call finds it in the store and continues its ids (``proxy/prefix_lookup.py``). tiny-random samples
   random tokens, whose text rarely re-tokenizes into the same ids, so a gateway that rendered the
   conversation from text would split the sequence (TRACEGYM_PREFIX_LOOKUP_TIMEOUT_S=0 turns the lookup off
   and fails this test).

@@ -63,7 +63,7 @@ def _wait_mid_group(run: Path, err: Path, proc: subprocess.Popen) -> str:
         if url is None and (m := re.search(r"trace inspector: (http://[0-9.:]+)/ui", err.read_text())):
             url = m.group(1)
         if url is not None and (run / "checkpoint" / "trainer_state.json").is_file():
-            key = (run / "admin_key").read_text().strip()  # the run's gateway needs its key (README, Security)
+            key = (run / "admin_key").read_text().strip()  # the run's gateway needs its key (docs/security.md)
             rows = httpx.get(f"{url}/api/rollouts", params={"limit": 500}, timeout=30,
                              headers={"Authorization": f"Bearer {key}"}).json()["rollouts"]
             step2 = [r for r in rows if r["group_id"] and r["group_id"].endswith(("-train-2", "-train-3"))]

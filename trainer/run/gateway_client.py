@@ -69,7 +69,7 @@ class ControlClient:
     def refresh(self, groups: list[Group]) -> None:
         """The statuses and rewards of the groups not done yet, in one request per 500 groups: the trainer
         polls while its engine generates, and each request costs the gateway and this process CPU that the
-        engine's threads would otherwise have (a request per group took ~8% of the two cores in a step)."""
+        engine's threads would otherwise have."""
         pending = {g.group_id: g for g in groups if not g.done}
         for gid, rs in self._rollouts_by_group(list(pending)):
             g = pending[gid]

@@ -195,7 +195,7 @@ class Trainer:
             eval_interval=recipe.eval_interval,
             evaluates=bool(self.eval_tasks),
         )
-        if recipe.reward.judge is not None:  # README: Group judge rewards
+        if recipe.reward.judge is not None:  # docs/agents.md: group judge rewards
             from tracegym.trainer.run.judge import GroupJudge
 
             self.judge = GroupJudge(self.ctl, recipe.reward, gateway_url=services.gateway_url, model=recipe.model)

@@ -1,7 +1,7 @@
 """The processes a ``tracegym train`` run needs: embedded engine, gateway, runner — started only when the
 recipe does not point at running ones, each in its own process group, always stopped.
 
-Keys (README, Security): a gateway started here gets a fresh random admin key (``$TRACEGYM_ADMIN_KEY``
+Keys (docs/security.md): a gateway started here gets a fresh random admin key (``$TRACEGYM_ADMIN_KEY``
 if set), written to ``run_dir/admin_key`` (mode 600) for the trace inspector's login (the trainer's clients and
 the runner use it; the runner hands each agent its rollout's token) and ``--weights-dir`` = the run's
 ``weights`` directory, where the trainer writes; an engine started here gets its own random key, which

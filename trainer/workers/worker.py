@@ -92,7 +92,7 @@ class TrainWorker:
         random.seed(cfg.seed + self.rank)
         self.bf16_compute = self.device.type != "cpu" or cpu_compute_dtype(torch.bfloat16) is torch.bfloat16  # fast?
         self.model = self._load(trainable=True)
-        # the adapters' parameters, found once: a walk over the model's modules costs a swap ~5 ms (SmolLM2)
+        # the adapters' parameters, found once: not a walk over the model's modules at every swap
         self.adapter_params = [(n, p) for n, p in self.model.named_parameters() if "lora_" in n] if cfg.lora else []
         # with LoRA the reference is the same model with its adapters disabled (``_reference``)
         self.ref_model = self._load(trainable=False) if cfg.algorithm.kl_coef > 0 and cfg.lora is None else None

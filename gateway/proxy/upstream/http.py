@@ -2,7 +2,7 @@
 lifespan), error mapping (connect failure → 502, silence past the timeout → 504), SSE line parsing.
 
 Why aiohttp and not httpx: a proxy on ``httpx.AsyncClient`` degrades as concurrency rises, one on
-``aiohttp.ClientSession`` does not (README, Benchmarks: where the time goes)."""
+``aiohttp.ClientSession`` does not (``benchmarks.gateway_overhead``)."""
 
 from __future__ import annotations
 

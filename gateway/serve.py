@@ -5,7 +5,7 @@ The engine child runs ``tracegym engine --model NAME --port P`` in its own proce
 SIGTERM if this process dies, via PR_SET_PDEATHSIG on Linux) and is stopped when the gateway exits.
 ``--store none`` turns recording off (no store, no control API).
 
-Security (README, Security): with no admin key (``--admin-key``, env ``TRACEGYM_ADMIN_KEY``) the gateway
+Security (docs/security.md): with no admin key (``--admin-key``, env ``TRACEGYM_ADMIN_KEY``) the gateway
 binds loopback only; a non-loopback ``--host`` without a key is refused unless ``--insecure``. On a loopback
 address the ``Host`` header must be a loopback name or an ``--allowed-host``. The embedded engine child gets
 a fresh random key for its weight and pause routes, which only this gateway knows."""
@@ -51,7 +51,7 @@ def admin_key(args: argparse.Namespace) -> str | None:
 
 
 def security_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings of README's Security section that ``tracegym serve``'s flags (else the environment) fill."""
+    """The settings of docs/security.md that ``tracegym serve``'s flags (else the environment) fill."""
     from tracegym.gateway.proxy.auth import LOOPBACK_HOSTS
 
     extra = list(getattr(args, "allowed_host", None) or [])

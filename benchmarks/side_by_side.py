@@ -2,12 +2,12 @@
 assembly benchmarks of each tree, alternating (baseline, this, baseline, this, ...), so that drift of a
 shared machine hits both alike. Prints each pair, the medians, the ratios and the targets.
 
-    python -m benchmarks.side_by_side [--baseline 40fe324] [--rounds 3] [--only gateway,ingest,assembly]
+    python -m benchmarks.side_by_side --baseline REF [--rounds 3] [--only gateway,ingest,assembly]
 
-The baseline is the commit's tree (``git archive``) with a ``tracegym`` package put together as the
-editable install maps it (``sdk/`` with ``gateway/`` and ``trainer/`` inside), first on PYTHONPATH; each
-tree runs its own ``benchmarks/`` (so each measures with the benchmark code of its time: both print the
-rows read here). 40fe324 is the commit before the restructure of issue 13."""
+The baseline is the tree of REF (a commit, tag or branch; ``git archive``) with a ``tracegym`` package put
+together as that tree's ``pyproject.toml`` maps its folders (``sdk/`` with ``gateway/``, ``trainer/`` and the
+others inside), first on PYTHONPATH; each tree runs its own ``benchmarks/`` (so each measures with the
+benchmark code of its time: both print the rows read here)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,9 +87,11 @@ def baseline_tree(commit: str, tmp: Path) -> tuple[Path, str]:
     src.mkdir(parents=True)
     archive = subprocess.run(["git", "archive", commit], cwd=REPO, check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    shutil.copytree(src / "sdk", pkg, symlinks=True)
-    (pkg / "gateway").symlink_to(src / "gateway")
-    (pkg / "trainer").symlink_to(src / "trainer")
+    mapping = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    shutil.copytree(src / mapping["tracegym"], pkg, symlinks=True)
+    for name, folder in mapping.items():
+        if name != "tracegym":
+            (pkg / name.removeprefix("tracegym.")).symlink_to(src / folder)
     return src, os.pathsep.join([str(pkg.parent), str(src)])
 
 
@@ -140,7 +143,7 @@ def _report(before: list[dict[str, float]], this: list[dict[str, float]],
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", default="40fe324", help="the commit to compare with")
+    p.add_argument("--baseline", required=True, help="the commit (or tag, branch) to compare with")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", default="gateway,ingest,assembly", help="comma-separated: " + ", ".join(BENCHES))
     args = p.parse_args(argv)

@@ -29,7 +29,7 @@ class CallContext:
     adhoc: bool
     start_ns: int = field(default_factory=time.time_ns)
     lora_adapter: str | None = None
-    """The LoRA adapter serving the call (``upstream/lora.py``), set by ``generate_request``."""
+    """The LoRA adapter serving the call (``upstream/adapter_table.py``), set by ``generate_request``."""
     created: int = field(default_factory=lambda: int(time.time()))
     request: GenerateRequest | None = None
     """The upstream request (``generate_request``), whose ``served_by`` names the engine for the record."""

@@ -52,7 +52,7 @@ class GenerateRequest:
     """Written by ``fleet.UpstreamFleet``: the URL of the engine that answered (the last one, when a
     call moved), recorded on the span as ``tracegym.upstream``."""
     adapter: str | None = None
-    """The LoRA adapter (logical name, ``upstream/lora.py``) that serves this call; None = the base."""
+    """The LoRA adapter (logical name, ``upstream/adapter_table.py``) that serves this call; None = the base."""
 
 
 @dataclass(slots=True)

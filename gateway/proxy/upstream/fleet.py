@@ -45,7 +45,7 @@ from tracegym.gateway.proxy.upstream.base import (
 )
 from tracegym.gateway.proxy.upstream.continuation import JoinedChoice, continuation_request
 from tracegym.gateway.proxy.upstream.fleet_swap import FleetControl, FleetGate
-from tracegym.gateway.proxy.upstream.lora import AdapterTable
+from tracegym.gateway.proxy.upstream.adapter_table import AdapterTable
 
 log = logging.getLogger("tracegym.gateway")
 

@@ -53,7 +53,7 @@ from tracegym.gateway.proxy.upstream.http import (
     upstream_errors,
 )
 from tracegym.gateway.proxy.upstream.keepalive import KeepAlivePool
-from tracegym.gateway.proxy.upstream.lora import AdapterTable
+from tracegym.gateway.proxy.upstream.adapter_table import AdapterTable
 from tracegym.gateway.proxy.upstream.swap import SwapGate
 
 log = logging.getLogger("tracegym.gateway")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tracegym.gateway.proxy.upstream.lora import AdapterTable
+from tracegym.gateway.proxy.upstream.adapter_table import AdapterTable
 
 
 def test_routing_before_and_after_swaps() -> None:

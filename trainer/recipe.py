@@ -1,6 +1,6 @@
 """The training recipe: one pydantic model, loaded from YAML and validated with clear messages.
 
-The README's recipe reference is generated from these fields (``python -m tracegym.trainer.recipe``),
+The recipe reference (docs/recipe.md) is generated from these fields (``scripts/gen_readme_reference.py``),
 so the docstrings here are the documentation.
 """
 
@@ -11,16 +11,20 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from tracegym.trainer.settings import (
     AgentConfig,
     AlgorithmConfig,
     DataConfig,
+    DistillConfig,
+    DpoConfig,
     LoraConfig,
     OptimConfig,
+    PhaseConfig,
     RayConfig,
     RewardConfig,
+    SftConfig,
     UpstreamConfig,
     _Section,
 )
@@ -51,6 +55,18 @@ class TrainRecipe(_Section):
         gt=0,
         description="Wait at most this long for a step's groups; late rollouts are dropped and counted.",
     )
+    objective: str = Field(
+        "grpo", description="What the run trains: grpo (the `algorithm` section) | sft | dpo | distill."
+    )
+    phases: list[PhaseConfig] | None = Field(
+        None,
+        description="Chain objectives, e.g. `[{objective: sft, steps: 20}, {objective: grpo, steps: 40}]`:"
+        " one model, optimizer and LR schedule through all of them; `steps` is their sum. Unset = `objective`"
+        " for `steps` steps.",
+    )
+    sft: SftConfig = SftConfig()
+    dpo: DpoConfig = DpoConfig()
+    distill: DistillConfig | None = Field(None, description="The teacher of `objective: distill`.")
     algorithm: AlgorithmConfig = AlgorithmConfig()
     reward: RewardConfig = RewardConfig()
     optim: OptimConfig = OptimConfig()
@@ -97,6 +113,50 @@ class TrainRecipe(_Section):
         if ":" not in v.target:
             raise ValueError(f"agent.target must be 'module:function', got {v.target!r}")
         return v
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v: str) -> str:
+        from tracegym.trainer.settings import _known_objective
+
+        return _known_objective(v)
+
+    @model_validator(mode="after")
+    def _phases(self) -> TrainRecipe:
+        if self.phases is not None:
+            if not self.phases:
+                raise ValueError("phases: an empty list; name at least one phase, or drop `phases`")
+            total = sum(p.steps for p in self.phases)
+            if "steps" in self.model_fields_set and self.steps != total:
+                raise ValueError(f"steps ({self.steps}) differs from the sum of the phases' steps ({total});"
+                                 " drop `steps` with `phases`")
+            self.steps = total
+        used = self.objectives()
+        if "distill" in used and self.distill is None:
+            raise ValueError("objective distill needs a `distill` section naming the teacher")
+        if used - {"grpo"} and self.mode != "sync":
+            raise ValueError(f"objective(s) {sorted(used - {'grpo'})} train in mode sync only")
+        if "dpo" in used and self.lora is not None and self.lora.per_agent:
+            raise ValueError("objective dpo trains one adapter (or the model): drop lora.adapters")
+        return self
+
+    def objectives(self) -> set[str]:
+        """Every objective the run trains."""
+        return {p.objective for p in self.phases} if self.phases else {self.objective}
+
+    def objective_at(self, step: int) -> str:
+        """The objective of training step ``step`` (0-based)."""
+        return self.phases[self.phase_index(step)].objective if self.phases else self.objective
+
+    def phase_index(self, step: int) -> int:
+        """The index in ``phases`` of the phase that holds training step ``step`` (0-based; 0 without
+        phases, the last phase past the end)."""
+        end = 0
+        for i, p in enumerate(self.phases or []):
+            end += p.steps
+            if step < end:
+                return i
+        return max(len(self.phases or []) - 1, 0)
 
     @field_validator("group_size")
     @classmethod
@@ -221,7 +281,7 @@ def load_recipe(path: str | Path) -> TrainRecipe:
 
 
 def reference_markdown() -> str:
-    """The recipe reference, generated from the fields above (README embeds this)."""
+    """The recipe reference, generated from the fields above (docs/recipe.md embeds this; ``scripts/gen_readme_reference.py``)."""
     out = ["| field | type | default | description |", "|---|---|---|---|"]
 
     def walk(model: type[BaseModel], prefix: str) -> None:

@@ -166,7 +166,7 @@ _RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,
 
 
 class RayConfig(_Section):
-    """Where the trainer's Ray workers run (README: Training on a Ray cluster). A `ray` section runs the
+    """Where the trainer's Ray workers run (docs/ray.md). A `ray` section runs the
     workers as Ray actors, as `use_ray: true` does."""
 
     address: str | None = Field(
@@ -234,7 +234,7 @@ class AdapterConfig(_Section):
 
 
 class LoraConfig(AdapterConfig):
-    """LoRA adapters instead of full fine-tuning (see README, "LoRA")."""
+    """LoRA adapters instead of full fine-tuning (docs/lora.md)."""
 
     rank: int | None = Field(8, description="LoRA rank r (> 0).")
     alpha: float | None = Field(16.0, description="LoRA alpha (the update is scaled by alpha / rank).")
@@ -310,5 +310,70 @@ class RewardConfig(_Section):
 
     agent_weight: float = Field(1.0, description="Weight of the agent's own reward when a judge is set.")
     judge: JudgeConfig | None = Field(
-        None, description="Score each completed group with an LLM judge (README: Group judge rewards)."
+        None, description="Score each completed group with an LLM judge (docs/agents.md)."
     )
+
+
+def _known_objective(v: str) -> str:
+    from tracegym.trainer.algorithms.objectives import check_objective  # the registry itself (imports torch)
+
+    return check_objective(v)
+
+
+class SourceConfig(_Section):
+    """Where an offline objective (``sft``, ``dpo``) takes its examples from: runs in the trace store."""
+
+    runs: list[str] = Field(
+        [],
+        description="Runs whose completed rollouts are the examples, by name: a `tracegym train` run's `name`"
+        " (its training groups are `NAME-<id>-train-<n>`) or a dataset given to `tracegym import --name`."
+        " They must be in this run's `store` (set `store` to the store that holds them). Empty = online:"
+        " each step samples `batch_size` groups as GRPO does and trains on them.",
+    )
+
+
+class SftConfig(SourceConfig):
+    """Supervised fine-tuning (`objective: sft`): cross-entropy on the sampled (mask-1) tokens of
+    demonstrations and of the agent's own rollouts whose reward passes `min_reward` (rejection sampling)."""
+
+    min_reward: float | None = Field(
+        None,
+        description="Keep only rollouts with a reward >= this (unset = every rollout with a reward, and"
+        " imported demonstrations without one). A filter that keeps nothing stops the run, saying how many"
+        " rollouts it looked at.",
+    )
+
+
+class DpoConfig(SourceConfig):
+    """DPO (`objective: dpo`): pairs of the highest- and lowest-reward rollout of one group (same prompt
+    tokens), or imported pairs; the reference is the frozen start model (with LoRA: the base model)."""
+
+    beta: float = Field(0.1, gt=0, description="DPO β: strength of the implicit KL to the reference.")
+    min_margin: float = Field(
+        0.0, ge=0, description="Pair two rollouts only when their rewards differ by more than this."
+    )
+
+
+class DistillConfig(_Section):
+    """On-policy distillation (`objective: distill`): the student samples, the teacher scores the same
+    tokens; per-token advantage = teacher logprob − student logprob."""
+
+    teacher: str = Field(
+        description="The teacher: a model name (`smollm2-135m`, ...) or a local directory. It must share the"
+        " student's tokenizer (token-level distillation needs one vocabulary)."
+    )
+    reward_weight: float = Field(
+        0.0, ge=0, description="Add this × the rollout's GRPO advantage to every token's advantage (0 = pure distillation)."
+    )
+
+
+class PhaseConfig(_Section):
+    """One phase of a chained recipe (`phases`)."""
+
+    objective: str = Field(description="grpo | sft | dpo | distill.")
+    steps: int = Field(ge=1, description="Training steps of this phase.")
+
+    @field_validator("objective")
+    @classmethod
+    def _objective(cls, v: str) -> str:
+        return _known_objective(v)

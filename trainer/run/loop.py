@@ -77,8 +77,11 @@ class LoopState:
     run_id: str = field(default_factory=lambda: f"{random.getrandbits(64):016x}")
     drawn: int = 0
     pending: list[dict[str, Any]] = field(default_factory=list)
+    source_pos: int = 0
+    """Offline objectives (``sft``/``dpo`` with ``runs``): the source groups taken so far."""
 
-    FIELDS = ("step", "data_pos", "order", "weight_version", "rng_state", "run_id", "drawn", "pending")
+    FIELDS = ("step", "data_pos", "order", "weight_version", "rng_state", "run_id", "drawn", "pending",
+              "source_pos")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.FIELDS}
@@ -129,7 +132,9 @@ class Trainer:
         self.rng = random.Random(recipe.data.shuffle_seed)
         order = list(range(len(self.train_tasks)))
         self.rng.shuffle(order)
-        self.state = LoopState(order=order)
+        # the run's groups are ``NAME-<id>-...``: later runs name this one as an sft/dpo source by its name
+        self.state = LoopState(order=order, run_id=f"{recipe.name}-{random.getrandbits(64):016x}")
+        self._sources: dict[str, list[tuple[str, list[Trajectory]]]] = {}
         self.ckpt_dir = _checkpoint_dir(recipe, resume=resume)
         train_cfg = train_cfg if train_cfg is not None else check_recipe(recipe)
         self._eval_skip_noted = False
@@ -244,13 +249,66 @@ class Trainer:
         self.ctl.wait(groups, timeout=self.r.group_timeout_s, on_poll=self._gen_status())
         return groups, {"gen_s": time.monotonic() - t0}
 
+    def objective(self) -> str:
+        """The objective of the next step (``phases``)."""
+        return self.r.objective_at(self.state.step)
+
+    def offline(self, objective: str) -> bool:
+        """Whether ``objective``'s steps read examples from runs in the store instead of sampling."""
+        return objective in ("sft", "dpo") and bool(getattr(self.r, objective).runs)
+
+    def source_groups(self, objective: str) -> list[tuple[str, list[Trajectory]]]:
+        """The next ``batch_size`` groups (sft: ``batch_size × group_size`` rollouts' worth) of the offline
+        source, cycling; read from the store once per run (``EmptySourceError`` when it has nothing)."""
+        from tracegym.trainer.run.objective_batches import check_source, read_source
+
+        if objective not in self._sources:
+            runs = getattr(self.r, objective).runs
+            lines = self.ctl.client.iter_lines("/api/trajectories", "read the source runs", {"status": "completed"})
+            self._sources[objective] = check_source(objective, read_source(lines, runs), runs, self.r.sft, self.r.dpo)
+            n = sum(len(ts) for _, ts in self._sources[objective])
+            self.progress.message(f"{objective}: {len(self._sources[objective])} groups ({n} rollouts) of runs "
+                                  f"{runs} to train on")
+        src = self._sources[objective]
+        out: list[tuple[str, list[Trajectory]]] = []
+        want = self.r.batch_size * (self.r.group_size if objective == "sft" else 1)
+        while sum(len(ts) for _, ts in out) < want if objective == "sft" else len(out) < want:
+            out.append(src[self.state.source_pos % len(src)])
+            self.state.source_pos += 1
+        return out
+
+    def run_offline_step(self, objective: str) -> dict[str, float]:
+        """One step of an offline objective: no rollouts, examples from the source runs."""
+        t0 = time.monotonic()
+        groups = self.source_groups(objective)
+        return self.train_groups(objective, groups, {"read_s": time.monotonic() - t0})
+
+    def train_groups(self, objective: str, groups: list[tuple[str, list[Trajectory]]],
+                     metrics: dict[str, float]) -> dict[str, float]:
+        """Build ``objective``'s batch from ``groups``, train on it and swap the new weights in."""
+        from tracegym.trainer.run.objective_batches import objective_batch
+
+        batch, stats = objective_batch(
+            objective, groups, advantage=self.r.algorithm.advantage,
+            drop_zero_signal=self.r.algorithm.drop_zero_signal_groups, sft=self.r.sft, dpo=self.r.dpo,
+            lora=getattr(self, "lora", None),
+        )
+        metrics = {**metrics, **stats}
+        if batch is not None:
+            t0 = time.monotonic()
+            metrics.update(self.workers.train_step(batch, objective))
+            metrics["train_s"] = time.monotonic() - t0
+            self.state.weight_version += 1
+            metrics["swap_s"] = self._swap_to_current()
+        self.state.step += 1
+        return metrics
+
     def run_step(
         self, groups: list[Group], info: dict[str, float], fetched: dict[str, Trajectory] | None = None
     ) -> dict[str, float]:
-        """Train on ``groups``' completed rollouts. ``fetched`` holds trajectories already downloaded
-        (async mode fetches them to check staleness); without it they are fetched here."""
-        from tracegym.trainer.run.build_batch import build_train_batch
-
+        """Train on ``groups``' completed rollouts with the step's objective. ``fetched`` holds
+        trajectories already downloaded (async mode fetches them to check staleness); without it they
+        are fetched here."""
         ids = [rid for g in groups for rid, s in g.statuses.items() if s == "completed"]
         if fetched is None:
             trajs = {t.rollout_id: t for t in self.ctl.trajectories(ids)}
@@ -260,22 +318,11 @@ class Trainer:
         if self.judge is not None:  # rewards become agent_weight * agent + weight * judge; failures left out
             trajs, judged = self.judge.apply([(g.group_id, [trajs[r] for r in g.rollout_ids if r in trajs])
                                               for g in groups])
-        batch, stats = build_train_batch(
-            [(g.group_id, [trajs[r] for r in g.rollout_ids if r in trajs]) for g in groups],
-            advantage=self.r.algorithm.advantage,
-            drop_zero_signal=self.r.algorithm.drop_zero_signal_groups,
-            lora=getattr(self, "lora", None),
-        )
-        metrics: dict[str, float] = {**info, **stats, **judged}
+        metrics: dict[str, float] = {**info, **judged}
         metrics["dropped_rollouts"] = float(sum(len(g.rollout_ids) for g in groups) - len(trajs))
-        if batch is not None:
-            t0 = time.monotonic()
-            metrics.update(self.workers.train_step(batch))
-            metrics["train_s"] = time.monotonic() - t0
-            self.state.weight_version += 1
-            metrics["swap_s"] = self._swap_to_current()
-        self.state.step += 1
-        return metrics
+        return self.train_groups(
+            self.objective(), [(g.group_id, [trajs[r] for r in g.rollout_ids if r in trajs]) for g in groups], metrics
+        )
 
     def _swap_to_current(self) -> float:
         """Write the weights and load them into the upstream as the current version; returns seconds."""
@@ -325,11 +372,17 @@ class Trainer:
         while self.state.step < self.r.steps:
             fetched: dict[str, Trajectory] | None = None
             t_step = time.monotonic()
-            if self.r.mode == "sync":
-                groups, info = self.collect_sync()
+            objective = self.objective()
+            if self.offline(objective):
+                metrics = self.run_offline_step(objective)
             else:
-                groups, info, pending, fetched = self.collect_async(pending)
-            metrics = self.run_step(groups, info, fetched)
+                if self.r.mode == "sync":
+                    groups, info = self.collect_sync()
+                else:
+                    groups, info, pending, fetched = self.collect_async(pending)
+                metrics = self.run_step(groups, info, fetched)
+            if self.r.phases:
+                metrics["phase"] = float(self.r.phase_index(self.state.step - 1))
             metrics["step_s"] = time.monotonic() - t_step
             self.sinks.log(self.state.step, metrics)
             self.progress.step(self.state.step, metrics)
@@ -428,6 +481,10 @@ def train(
     if resume:
         _checkpoint_dir(recipe.model_copy(update={"run_dir": resume_dir(recipe.run_dir)}), resume=True)
     model_dir = prepare_model(recipe.model)
+    if recipe.distill is not None and "distill" in recipe.objectives():  # a teacher of another vocabulary fails here
+        from tracegym.trainer.run.teacher import prepare_teacher
+
+        train_cfg.teacher_path = str(prepare_teacher(recipe.distill.teacher, model_dir))
     if train_cfg.lora is not None:  # target modules the model lacks fail here, before any process starts
         from tracegym.trainer.workers.lora import LoraError, check_model
 

@@ -31,6 +31,10 @@ class TrainSample:
     advantage: float
     adapter: str | None = None
     """The LoRA adapter this sample trains (one adapter per agent); None = the model or its one adapter."""
+    pair: int = -1
+    """DPO: the index of this sample's chosen/rejected pair in its batch (-1: not a pair member)."""
+    chosen: bool = False
+    """DPO: this sample is its pair's chosen sequence (else the rejected one)."""
 
     def __post_init__(self) -> None:
         self.token_ids = as_token_ids(self.token_ids)
@@ -71,12 +75,14 @@ class TrainBatch:
 
     @classmethod
     def from_sequences(
-        cls, sequences: Seq[Sequence], advantages: Seq[float], adapters: Seq[str | None] | None = None
+        cls, sequences: Seq[Sequence], advantages: Seq[float], adapters: Seq[str | None] | None = None,
+        *, need_logprobs: bool = True,
     ) -> TrainBatch:
         """Build from assembled ``tracegym.types.Sequence``s and one advantage per sequence.
 
         A sequence whose loss mask covers a token without an engine logprob is rejected (it could not be
-        used for TIS nor for the mismatch metric, and it means assembly went wrong)."""
+        used for TIS nor for the mismatch metric, and it means assembly went wrong), unless
+        ``need_logprobs`` is False (SFT and DPO on imported demonstrations, which were never sampled)."""
         if len(sequences) != len(advantages):
             raise ValueError(f"{len(sequences)} sequences but {len(advantages)} advantages")
         samples = []
@@ -88,13 +94,47 @@ class TrainBatch:
             missing = np.isnan(lps)
             if missing.any():
                 bad = np.flatnonzero(missing & (mask != 0))
-                if len(bad):
+                if len(bad) and need_logprobs:
                     raise ValueError(f"sequence {k}: token {bad[0]} is in the loss mask but has no engine "
                                      "logprob")
                 lps = np.where(missing, 0.0, lps)  # ignored there; 0 keeps NaN out of the batch's tensors
             adapter = None if adapters is None else adapters[k]
             samples.append(TrainSample(ids, mask, lps, float(adv), adapter))
         return cls(samples)
+
+    @classmethod
+    def from_pairs(cls, pairs: Seq[tuple[Sequence, Sequence]], adapters: Seq[str | None] | None = None) -> TrainBatch:
+        """DPO: ``[(chosen, rejected)]`` as samples ``c0, r0, c1, r1, ...`` marked with their pair."""
+        flat = [s for pair in pairs for s in pair]
+        batch = cls.from_sequences(flat, [0.0] * len(flat), need_logprobs=False)
+        for k, s in enumerate(batch.samples):
+            s.pair, s.chosen = k // 2, k % 2 == 0
+            if adapters is not None:
+                s.adapter = adapters[k // 2]
+        return batch
+
+
+def pair_units(samples: Seq[TrainSample]) -> list[list[int]]:
+    """The sample indices of each DPO pair (chosen first), in pair order; every pair must be whole."""
+    units: dict[int, list[int]] = {}
+    for i, s in enumerate(samples):
+        if s.pair < 0:
+            raise ValueError(f"sample {i} is no DPO pair member")
+        units.setdefault(s.pair, []).append(i)
+    for p, ix in units.items():
+        if len(ix) != 2 or samples[ix[0]].chosen == samples[ix[1]].chosen:
+            raise ValueError(f"DPO pair {p} needs one chosen and one rejected sample, got {len(ix)} sample(s)")
+        ix.sort(key=lambda i: not samples[i].chosen)
+    return [units[p] for p in sorted(units)]
+
+
+def plan_pairs(samples: Seq[TrainSample], world_size: int, token_budget: int) -> tuple[list[list[list[int]]], int]:
+    """``plan_step`` for DPO: a pair is never split across ranks or micro-batches (its loss needs both
+    sequences), so the plan is made over pairs (as rows of twice the longer length) and expanded."""
+    units = pair_units(samples)
+    lengths = [max(len(samples[i].token_ids) for i in u) for u in units]
+    plan, n_micro = plan_step(lengths, world_size, max(token_budget // 2, 1))
+    return [[[i for u in mb for i in units[u]] for mb in rank] for rank in plan], n_micro
 
 
 def split_across_ranks(lengths: Seq[int], world_size: int) -> list[list[int]]:
@@ -158,6 +198,8 @@ class MicroBatch:
     advantages: torch.Tensor  # [B] float
     logits_to_keep: int
     num_tokens: int  # real (non-pad) tokens
+    pairs: torch.Tensor | None = None  # [B] long: DPO pair index (-1: none)
+    chosen: torch.Tensor | None = None  # [B] bool: DPO chosen member
 
     def to(self, device: torch.device | str) -> MicroBatch:
         t = {k: getattr(self, k).to(device) for k in ("input_ids", "attention_mask", "targets", "loss_mask")}
@@ -167,6 +209,8 @@ class MicroBatch:
             advantages=self.advantages.to(device),
             logits_to_keep=self.logits_to_keep,
             num_tokens=self.num_tokens,
+            pairs=None if self.pairs is None else self.pairs.to(device),
+            chosen=None if self.chosen is None else self.chosen.to(device),
         )
 
 
@@ -203,6 +247,8 @@ def collate(samples: Seq[TrainSample], pad_id: int = 0) -> MicroBatch:
         advantages=torch.tensor([s.advantage for s in samples], dtype=torch.float32),
         logits_to_keep=keep,
         num_tokens=0 if dummy else int(attn.sum()),
+        pairs=torch.tensor([-1 if dummy else s.pair for s in samples], dtype=torch.long),
+        chosen=torch.tensor([s.chosen for s in samples], dtype=torch.bool),
     )
 
 
@@ -215,6 +261,9 @@ def _logits_to_keep(masks: Seq[np.ndarray], length: int) -> int:
     return length - min(starts)
 
 
+LOSS_SCALED = ("pg_loss", "kl_loss", "sft_loss", "dpo_loss")
+"""Loss metrics already scaled by the step's global normalisers: summed over micro-batches, not averaged."""
+
 MAX_METRICS = ("ratio_max",)
 """``policy_loss`` metrics that are maxima over tokens: combined by max (``max:<name>``), not averaged."""
 
@@ -224,13 +273,13 @@ def add_loss_metrics(sums: dict[str, float], metrics: dict[str, float]) -> None:
     by tokens."""
     sums["loss_tokens"] += metrics["tokens"]
     for k, v in metrics.items():
-        if k in ("tokens", "seqs"):
+        if k in ("tokens", "seqs", "pairs"):
             continue
         if k in MAX_METRICS:
             if metrics["tokens"] > 0:  # an empty (padding) micro-batch has no tokens to take a max over
                 sums[f"max:{k}"] = max(sums.get(f"max:{k}", v), v)
             continue
-        w = 1.0 if k in ("pg_loss", "kl_loss") else metrics["tokens"]
+        w = 1.0 if k in LOSS_SCALED else metrics["tokens"]
         sums[f"m:{k}"] = sums.get(f"m:{k}", 0.0) + v * w
 
 
@@ -255,7 +304,7 @@ def combine_metrics(per_rank: list[dict[str, float]], wall_s: float, world_size:
     for k, v in total.items():
         if k.startswith("m:"):
             name = k[2:]
-            out[name] = v / world_size if name in ("pg_loss", "kl_loss") else v / n
+            out[name] = v / world_size if name in LOSS_SCALED else v / n
     for k in {k for r in per_rank for k in r if k.startswith("max:")}:
         out[k[4:]] = max(r[k] for r in per_rank if k in r)
     out.setdefault("kl", 0.0)

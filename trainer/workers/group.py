@@ -16,7 +16,7 @@ from tracegym.modelfiles.folders import recover_dir, writing_folder
 from tracegym.modelfiles.formats import model_fingerprint
 from tracegym.trainer.algorithms.losses import loss_scales
 from tracegym.trainer.settings import RayConfig
-from tracegym.trainer.workers.batches import TrainBatch, TrainSample, combine_metrics, plan_step
+from tracegym.trainer.workers.batches import TrainBatch, TrainSample, combine_metrics, plan_pairs, plan_step
 from tracegym.trainer.workers.lora import check_checkpoint_base
 from tracegym.trainer.workers.ray_cluster import check_fits, connect
 from tracegym.trainer.workers.train_config import TrainConfig
@@ -82,20 +82,21 @@ class WorkerGroup:
     def _same(self, method: str, *args: Any) -> list[Any]:
         return self._call_all(method, [args] * self.world_size)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, objective: str = "grpo") -> dict[str, float]:
         """One optimizer step on ``batch``; metrics: loss, kl, clip_frac, entropy, mismatch, grad_norm, lr,
         tokens, tokens_per_s (plus the other ``policy_loss`` metrics).
 
         The batch is split across ranks by tokens and into micro-batches by token budget; every rank runs
         the same number of micro-batches (empty ones if it has fewer), each a forward with
         ``logits_to_keep`` covering only the loss tokens, ``policy_loss`` with global normalisers, and a
-        backward; then gradient clipping and AdamW with the scheduled LR."""
+        backward; then gradient clipping and AdamW with the scheduled LR. ``objective``: the loss
+        (``algorithms.objectives``); DPO keeps each pair in one micro-batch."""
         if not batch.samples:
             raise ValueError("empty batch")
         t0 = time.perf_counter()
         lora = self.cfg.lora
         if lora is None or not lora.per_agent:
-            per_rank = self._rank_steps(batch.samples, None, advance=True)
+            per_rank = self._rank_steps(batch.samples, None, advance=True, objective=objective)
             return combine_metrics(per_rank, time.perf_counter() - t0, self.world_size)
         # one adapter per agent: each adapter's own samples, loss normalisers and optimizer step
         by_adapter = {name: [s for s in batch.samples if s.adapter == name] for name in lora.names}
@@ -106,7 +107,7 @@ class WorkerGroup:
         extra: dict[str, float] = {}
         for i, (name, ss) in enumerate(todo):
             ts = time.perf_counter()
-            per_rank = self._rank_steps(ss, name, advance=i == len(todo) - 1)
+            per_rank = self._rank_steps(ss, name, advance=i == len(todo) - 1, objective=objective)
             m = combine_metrics(per_rank, time.perf_counter() - ts, self.world_size)
             extra |= {f"{k}/{name}": m[k] for k in ("loss", "grad_norm", "loss_tokens")}
             every += per_rank
@@ -114,13 +115,18 @@ class WorkerGroup:
         out["grad_norm"] = max(extra[f"grad_norm/{n}"] for n, _ in todo)
         return out | extra
 
-    def _rank_steps(self, samples: list[TrainSample], adapter: str | None, *, advance: bool) -> list[dict]:
+    def _rank_steps(self, samples: list[TrainSample], adapter: str | None, *, advance: bool,
+                    objective: str = "grpo") -> list[dict]:
         """One optimizer step on ``samples`` over every rank; the ranks' sums."""
-        plan, n_micro = plan_step(
-            [len(s.token_ids) for s in samples], self.world_size, self.cfg.optim.micro_batch_tokens
-        )
+        budget = self.cfg.optim.micro_batch_tokens
+        if objective == "dpo":
+            plan, n_micro = plan_pairs(samples, self.world_size, budget)
+        else:
+            plan, n_micro = plan_step([len(s.token_ids) for s in samples], self.world_size, budget)
         scales = loss_scales(*(torch.tensor(s.loss_mask)[None] for s in samples), world_size=self.world_size)
-        args = [([[samples[i] for i in g] for g in rank_plan], n_micro, scales, adapter, advance)
+        if objective == "dpo":
+            scales["num_pairs"] = max(len({s.pair for s in samples}), 1) / self.world_size
+        args = [([[samples[i] for i in g] for g in rank_plan], n_micro, scales, adapter, advance, objective)
                 for rank_plan in plan]
         return self._call_all("train_step", args)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracegym.trainer.recipe import TrainRecipe
-from tracegym.trainer.settings import AlgorithmConfig, LoraConfig, OptimConfig
+from tracegym.trainer.settings import AlgorithmConfig, DistillConfig, DpoConfig, LoraConfig, OptimConfig
 
 
 @dataclass(slots=True)
@@ -30,9 +30,21 @@ class TrainConfig:
     0 turns it off."""
     gradient_checkpointing: bool = False
     torch_threads: int | None = None
+    objectives: tuple[str, ...] = ("grpo",)
+    """Every objective the run trains (its phases): a ``dpo`` phase loads the frozen reference model, a
+    ``distill`` phase the teacher."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    distill: DistillConfig | None = None
+    teacher_path: str | None = None
+    """The teacher's prepared model directory (``distill.teacher`` resolved)."""
 
     @classmethod
     def from_recipe(cls, recipe: Any, total_steps: int | None = None) -> TrainConfig:
         """From a ``tracegym.trainer.recipe.TrainRecipe``."""
         return cls(optim=recipe.optim, algorithm=recipe.algorithm, lora=recipe.lora, seed=recipe.seed,
-                   total_steps=total_steps)
+                   total_steps=total_steps, objectives=tuple(sorted(recipe.objectives())), dpo=recipe.dpo,
+                   distill=recipe.distill)
+
+    def needs_reference(self) -> bool:
+        """Whether a step needs the frozen start model's logprobs (the KL penalty, or DPO)."""
+        return self.algorithm.kl_coef > 0 or "dpo" in self.objectives

@@ -30,6 +30,7 @@ import torch
 from tracegym.modelfiles.formats import write_weights_dir
 from tracegym.modelfiles.load import cpu_compute_dtype
 from tracegym.trainer.algorithms.losses import entropy_from_logits, policy_loss
+from tracegym.trainer.algorithms.objectives import distill_advantages, dpo_loss, sequence_logprobs, sft_loss
 from tracegym.trainer.algorithms.optim import build_optimizer, set_lr
 from tracegym.trainer.workers.batches import (
     TrainSample,
@@ -95,14 +96,19 @@ class TrainWorker:
         # the adapters' parameters, found once: not a walk over the model's modules at every swap
         self.adapter_params = [(n, p) for n, p in self.model.named_parameters() if "lora_" in n] if cfg.lora else []
         # with LoRA the reference is the same model with its adapters disabled (``_reference``)
-        self.ref_model = self._load(trainable=False) if cfg.algorithm.kl_coef > 0 and cfg.lora is None else None
+        self.ref_model = self._load(trainable=False) if cfg.needs_reference() and cfg.lora is None else None
+        self.teacher = None
+        if "distill" in cfg.objectives:
+            if cfg.teacher_path is None:
+                raise ValueError("objective distill needs TrainConfig.teacher_path")
+            self.teacher = self._load(trainable=False, path=Path(cfg.teacher_path))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.pad_id = int(self.model.config.pad_token_id or 0)
 
-    def _load(self, *, trainable: bool) -> torch.nn.Module:
+    def _load(self, *, trainable: bool, path: Path | None = None) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path or self.model_path), dtype=torch.float32)
         model.to(self.device)
         if trainable and self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -118,12 +124,13 @@ class TrainWorker:
             return peft_model
         return shard_model(model, param_dtype=mp)
 
-    def _reference(self, mb: Any) -> torch.Tensor | None:
-        """The KL reference's logprobs: the frozen copy, or with LoRA this model with adapters disabled."""
-        if self.ref_model is not None:
+    def _reference(self, mb: Any, *, need: bool = False) -> torch.Tensor | None:
+        """The reference's logprobs (for the KL penalty, or when ``need``: DPO): the frozen copy, or with
+        LoRA this model with adapters disabled."""
+        if self.ref_model is not None and (need or self.cfg.algorithm.kl_coef > 0):
             with torch.no_grad():
                 return token_logprobs(self._forward(self.ref_model, mb), mb.targets)
-        if self.cfg.lora is not None and self.cfg.algorithm.kl_coef > 0:
+        if self.cfg.lora is not None and (need or self.cfg.algorithm.kl_coef > 0):
             with torch.no_grad(), self.model.disable_adapter():
                 return token_logprobs(self._forward(self.model, mb), mb.targets)
         return None
@@ -151,11 +158,12 @@ class TrainWorker:
         scales: dict[str, float],
         adapter: str | None = None,
         advance: bool = True,
+        objective: str = "grpo",
     ) -> dict:
         """Run this rank's micro-batches (padded to ``n_micro``) and one optimizer step. Returns sums.
         ``adapter``: the LoRA adapter these samples train (only its parameters get gradients, so the
         step moves only it); ``advance=False`` keeps the step count (the other adapters of the same
-        training step follow)."""
+        training step follow). ``objective``: the loss (``algorithms.objectives``)."""
         t0, c0 = time.perf_counter(), time.process_time()
         if adapter is not None:
             activate(self.model, adapter)
@@ -171,17 +179,7 @@ class TrainWorker:
             mb = collate(samples, self.pad_id).to(self.device)
             logits = self._forward(self.model, mb)
             logprobs = token_logprobs(logits, mb.targets)
-            ref = self._reference(mb)
-            loss, metrics = policy_loss(
-                self.cfg.algorithm,
-                logprobs,
-                logprobs.detach(),
-                mb.advantages,
-                mb.loss_mask,
-                ref_logprobs=ref,
-                engine_logprobs=mb.engine_logprobs,
-                **scales,
-            )
+            loss, metrics = self._loss(objective, mb, logprobs, scales)
             loss.backward()
             m = mb.loss_mask.bool()
             with torch.no_grad():
@@ -206,6 +204,43 @@ class TrainWorker:
             "time": time.perf_counter() - t0,
             "cpu_s": time.process_time() - c0,
         }
+
+    def _loss(self, objective: str, mb: Any, logprobs: torch.Tensor,
+              scales: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective's loss of one micro-batch and its metrics (``algorithms.objectives``)."""
+        token_scales = {k: v for k, v in scales.items() if k.startswith("loss_scale_")}
+        if objective == "sft":
+            return sft_loss(self.cfg.algorithm, logprobs, mb.loss_mask, **token_scales)
+        if objective == "dpo":
+            return self._dpo_loss(mb, logprobs, scales.get("num_pairs"))
+        advantages = mb.advantages
+        if objective == "distill":
+            assert self.teacher is not None and self.cfg.distill is not None
+            with torch.no_grad():
+                teacher = token_logprobs(self._forward(self.teacher, mb), mb.targets)
+            advantages = distill_advantages(teacher, mb.engine_logprobs, mb.loss_mask,
+                                            reward_advantages=mb.advantages,
+                                            reward_weight=self.cfg.distill.reward_weight)
+        elif objective != "grpo":
+            raise ValueError(f"unknown objective {objective!r}")
+        return policy_loss(self.cfg.algorithm, logprobs, logprobs.detach(), advantages, mb.loss_mask,
+                           ref_logprobs=self._reference(mb), engine_logprobs=mb.engine_logprobs, **token_scales)
+
+    def _dpo_loss(self, mb: Any, logprobs: torch.Tensor, num_pairs: float | None) -> tuple[torch.Tensor, dict]:
+        m = mb.loss_mask
+        tokens = {"tokens": float(m.bool().sum()), "seqs": float(m.bool().any(-1).sum())}
+        real = mb.pairs >= 0
+        if not bool(real.any()):  # a padding micro-batch: a zero loss that still touches the graph
+            return logprobs.sum() * 0.0, {"dpo_loss": 0.0, **tokens}
+        ref = self._reference(mb, need=True)
+        assert ref is not None
+        seq, ref_seq = sequence_logprobs(logprobs, m), sequence_logprobs(ref, m)
+        order = torch.argsort(mb.pairs * 2 + (~mb.chosen).long())  # c0, r0, c1, r1, ...
+        order = order[real[order]]
+        c, r = order[0::2], order[1::2]
+        loss, metrics = dpo_loss(seq[c], seq[r], ref_seq[c], ref_seq[r], beta=self.cfg.dpo.beta,
+                                 num_pairs=num_pairs)
+        return loss, metrics | tokens
 
     def _entropy_into(self, sums: dict[str, float], logits: torch.Tensor, mask: torch.Tensor) -> None:
         where = mask.nonzero()

@@ -1,0 +1,40 @@
+"""The distillation teacher: prepared like the student, and refused unless it shares the student's
+tokenizer (token-level distillation compares the two models' logprobs of the same token ids)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tracegym.trainer.recipe import RecipeError
+
+
+def vocabulary(model_dir: Path) -> dict[str, int]:
+    """The token → id map of a model directory's ``tokenizer.json``, added tokens included."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise RecipeError(f"{model_dir} has no tokenizer.json: its vocabulary cannot be compared")
+    return Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+
+
+def check_teacher(student_dir: Path, teacher_dir: Path, teacher: str) -> None:
+    """``RecipeError`` unless the teacher's vocabulary is the student's, token for token."""
+    s, t = vocabulary(student_dir), vocabulary(teacher_dir)
+    if s == t:
+        return
+    differ = sorted(k for k in s.keys() ^ t.keys())[:3] or sorted(k for k in s if s[k] != t.get(k))[:3]
+    raise RecipeError(
+        f"distill.teacher {teacher!r} has another tokenizer than the student ({len(t)} vs {len(s)} tokens;"
+        f" e.g. {differ}): token-level distillation needs one vocabulary; pick a teacher of the student's"
+        " family"
+    )
+
+
+def prepare_teacher(teacher: str, student_dir: Path) -> Path:
+    """The teacher's model directory (``prepare_model``), checked against the student's tokenizer."""
+    from tracegym.modelfiles.prepare import prepare_model
+
+    teacher_dir = prepare_model(teacher)
+    check_teacher(student_dir, teacher_dir, teacher)
+    return teacher_dir

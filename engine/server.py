@@ -10,9 +10,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tracegym.engine.endpoints import router
 from tracegym.engine.runtime import Engine, EngineConfig, set_torch_threads
+from tracegym.http_rules import LOOPBACK_HOSTS, host_allowed, json_body_refused
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +35,46 @@ async def _lifespan(app: FastAPI, config: EngineConfig) -> AsyncIterator[None]:
         engine.stop()
 
 
-def create_app(config: EngineConfig, api_key: str | None = None) -> FastAPI:
-    """``api_key`` (default ``$TRACEGYM_ENGINE_API_KEY``): what the weight, pause and abort routes need."""
+class HttpRules:
+    """The gateway's Host and Content-Type rules (``tracegym.http_rules``; docs/security.md), in front of
+    every route: with an allow-list, any other ``Host`` (or two of them) is a 421, so a web page whose DNS
+    name was rebound to 127.0.0.1 cannot drive ``/generate``; a body that is not JSON is a 415."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str] | None = None) -> None:
+        self.app = app
+        self.hosts = None if allowed_hosts is None else frozenset(h.lower().encode() for h in allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = scope["headers"]
+            refusal = None
+            if self.hosts is not None and not host_allowed(headers, self.hosts):
+                refusal = (421, "Host not allowed: this engine answers only its allowed host names "
+                                "(TRACEGYM_ENGINE_ALLOWED_HOSTS)")
+            elif json_body_refused(scope["method"], headers):
+                refusal = (415, "Content-Type must be application/json")
+            if refusal is not None:
+                status, message = refusal
+                await JSONResponse({"error": {"message": message, "code": status}}, status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def allowed_hosts(bind_host: str) -> list[str] | None:
+    """The engine's Host allow-list: on a loopback address the loopback names, plus any in
+    ``$TRACEGYM_ENGINE_ALLOWED_HOSTS`` (comma-separated; also the whole list on another address, where
+    without it any Host is answered, as behind a service name in a container network)."""
+    extra = [h.strip() for h in os.environ.get("TRACEGYM_ENGINE_ALLOWED_HOSTS", "").split(",") if h.strip()]
+    if bind_host.strip("[]") in ("127.0.0.1", "localhost", "::1"):
+        return [*LOOPBACK_HOSTS, *extra]
+    return extra or None
+
+
+def create_app(config: EngineConfig, api_key: str | None = None, hosts: list[str] | None = None) -> FastAPI:
+    """``api_key`` (default ``$TRACEGYM_ENGINE_API_KEY``): what the weight, pause and abort routes need;
+    ``hosts``: the ``Host`` allow-list (None: any; ``main`` gives ``allowed_hosts(--host)``)."""
     app = FastAPI(title="tracegym engine", lifespan=lambda a: _lifespan(a, config))
+    app.add_middleware(HttpRules, allowed_hosts=hosts)
     app.state.api_key = api_key or os.environ.get("TRACEGYM_ENGINE_API_KEY") or None
     app.state.weights_root = os.environ.get("TRACEGYM_ENGINE_WEIGHTS_DIR") or None
     """Where the engine loads weights and adapters from (None: anywhere); the gateway's ``--weights-dir``
@@ -63,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch_size,
         weight_version=args.weight_version,
     )
-    app = create_app(config)
+    app = create_app(config, hosts=allowed_hosts(args.host))
     if app.state.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("engine bound to %s with no TRACEGYM_ENGINE_API_KEY: anyone who reaches the port can load "
                     "weights and pause it", args.host)

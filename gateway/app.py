@@ -28,6 +28,7 @@ from tracegym.gateway.api import weights as weights_routes
 from tracegym.gateway.deps import GatewayMetrics, Recorder, Services, ServicesDep
 from tracegym.gateway.openai_errors import install_error_handlers
 from tracegym.gateway.proxy import completions_routes
+from tracegym.gateway.proxy.admission import Admission
 from tracegym.gateway.proxy.auth import Guard
 from tracegym.gateway.proxy.front import INFERENCE_ROUTES, GatewayFront
 from tracegym.gateway.proxy.responses import responses_routes
@@ -251,7 +252,8 @@ def create_app(settings: GatewaySettings | None = None, *, recorder: Recorder | 
     app = GatewayApp(title="tracegym gateway", lifespan=lambda a: _lifespan(a, settings, recorder),
                   docs_url="/docs", redoc_url=None)
     app.state.max_body_bytes = settings.max_body_bytes
-    app.state.guard = Guard(settings.admin_key, settings.allowed_hosts)
+    app.state.guard = Guard(settings.admin_key, settings.allowed_hosts, settings.auth_failures_per_minute)
+    app.state.admission = Admission(settings)
     install_error_handlers(app)
     app.include_router(completions_routes.router)
     app.include_router(responses_routes.router)

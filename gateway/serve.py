@@ -25,8 +25,44 @@ from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
 log = logging.getLogger("tracegym.gateway")
 
 
+DEFAULT_STORE = "sqlite:///./tracegym.db"
+
+
+def store_url(args: argparse.Namespace) -> str | None:
+    """``--store``, else ``$TRACEGYM_STORE_URL``, else a SQLite file in the current directory (None:
+    ``none``, recording off); with ``--store-password-file``, the URL with that file's password."""
+    url = getattr(args, "store", None) or os.environ.get("TRACEGYM_STORE_URL") or DEFAULT_STORE
+    if url in ("", "none"):
+        return None
+    password_file = getattr(args, "store_password_file", None)
+    if password_file:
+        from sqlalchemy.engine import make_url
+
+        with open(password_file, encoding="utf-8") as f:
+            password = f.read().strip()
+        url = make_url(url).set(password=password).render_as_string(hide_password=False)
+    return url
+
+
+def warn_visible_password(args: argparse.Namespace) -> None:
+    """A warning when ``--store`` carries a password, which every user of the machine sees in ``ps``."""
+    given = getattr(args, "store", None)
+    if not given or "://" not in given:
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        password = make_url(given).password
+    except ArgumentError:
+        return
+    if password:
+        log.warning("--store carries the store's password, which anyone on this machine can read in the "
+                    "process list: set TRACEGYM_STORE_URL instead, or --store-password-file FILE")
+
+
 def settings_from_args(args: argparse.Namespace, upstream_url: str | list[str] | None, kind: str) -> GatewaySettings:
-    store = None if args.store in ("", "none") else args.store
+    store = store_url(args)
     urls = [upstream_url] if isinstance(upstream_url, str) else list(upstream_url or [])
     return GatewaySettings(
         upstream_url=urls[0] if urls else None, upstream_urls=urls[1:], upstream_kind=kind, model=args.model,
@@ -52,13 +88,14 @@ def admin_key(args: argparse.Namespace) -> str | None:
 
 def security_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The settings of docs/security.md that ``tracegym serve``'s flags (else the environment) fill."""
-    from tracegym.gateway.proxy.auth import LOOPBACK_HOSTS
+    from tracegym.http_rules import LOOPBACK_HOSTS
 
     extra = list(getattr(args, "allowed_host", None) or [])
     hosts = [*LOOPBACK_HOSTS, *extra] if is_loopback(getattr(args, "host", "127.0.0.1")) else (extra or None)
     weights = getattr(args, "weights_dir", None) or os.environ.get("TRACEGYM_WEIGHTS_DIR")
     out = {"admin_key": admin_key(args), "allowed_hosts": hosts,
-           "weights_dir": os.path.abspath(weights) if weights else None}
+           "weights_dir": os.path.abspath(weights) if weights else None,
+           "max_concurrent_calls": getattr(args, "max_concurrent_calls", None)}
     return {k: v for k, v in out.items() if v is not None}  # unset: the environment's (TRACEGYM_...), if any
 
 
@@ -91,6 +128,7 @@ def main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tracegym.gateway.app import create_app
+    from tracegym.gateway.proxy.connections import limited_protocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_args(args)
@@ -98,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
-    preflight(args.host, args.port, args.model if args.engine == "embedded" else None, args.store)
+    warn_visible_password(args)
+    preflight(args.host, args.port, args.model if args.engine == "embedded" else None, store_url(args) or "none")
     engines = None
     upstream, kind = args.upstream, args.upstream_kind
     try:
@@ -111,7 +150,8 @@ def main(args: argparse.Namespace) -> int:
         app = create_app(settings)
         failure = StartupFailure(app, keep_traceback=getattr(args, "debug", False))
         try:
-            uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http="httptools",
+            http = limited_protocol(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections)
+            uvicorn.run(app, host=args.host, port=args.port, loop="uvloop", http=http,
                         log_level=args.log_level.lower(), access_log=False, lifespan="on",
                         timeout_graceful_shutdown=10, proxy_headers=False)
         except SystemExit:

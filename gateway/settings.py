@@ -80,3 +80,27 @@ class GatewaySettings(BaseSettings):
     weights_dir: str | None = None
     """The weights root (``--weights-dir``): ``/api/weights/update`` loads only directories under it; None
     refuses weight updates from disk."""
+    max_concurrent_calls: int = Field(default=1024, gt=0)
+    """Inference calls this gateway serves at once (streams until their last event); one more is a 429 with
+    ``Retry-After`` in its API's error shape (``proxy/admission.py``; docs/security.md)."""
+    max_concurrent_calls_per_rollout: int = Field(default=64, gt=0)
+    """Inference calls one rollout token may have in flight at once; one more is a 429."""
+    retry_after_s: int = Field(default=1, ge=1)
+    """The ``Retry-After`` seconds of a 429 for too many calls at once."""
+    auth_failures_per_minute: int = Field(default=60, ge=1)
+    """Requests with a missing or wrong key one client address may make per minute; past it, every request
+    from that address that needs a key is a 429 until the minute's budget refills."""
+    rollout_state_ttl_s: float = Field(default=2.0, ge=0)
+    """How long a rollout seen open in the store is trusted before a token's next write looks again (one
+    gateway learns of the rollouts it completes or fails at once; another gateway on the same store within
+    this many seconds)."""
+    otlp_inflight_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    """Bytes of OTLP bodies (as inflated, at worst ``max_body_bytes`` each for a compressed one) being parsed
+    at once; a request past it is a 429 with ``Retry-After``, so a burst cannot hold memory beyond it."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """Seconds a connection may take to send a request's headers (from connecting, or from its request's
+    first byte); then it is answered 408 and closed (``tracegym serve``; ``proxy/connections.py``)."""
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    """Seconds a request may take to send its body once its headers are in; then 408 and closed."""
+    max_connections: int = Field(default=4096, gt=0)
+    """Open connections ``tracegym serve`` keeps; one more is closed at once."""

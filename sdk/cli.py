@@ -60,8 +60,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-port", type=int, default=0, help="port of the embedded engine (0 = free port)")
     p.add_argument("--engines", type=int, default=1, help="embedded engines to start (with --engine embedded)")
     p.add_argument("--model", help="model name: its tokenizer/chat template and the served name")
-    p.add_argument("--store", default="sqlite:///./tracegym.db",
-                   help="SQLAlchemy URL of the trace store (the default is a file in the current directory)")
+    p.add_argument("--store", default=None,
+                   help="SQLAlchemy URL of the trace store, or none (default: $TRACEGYM_STORE_URL, else "
+                        "sqlite:///./tracegym.db); a password here shows in the process list: put the URL in "
+                        "$TRACEGYM_STORE_URL or the password in --store-password-file")
+    p.add_argument("--store-password-file", default=None, metavar="FILE",
+                   help="a file holding the store's password, put into the store URL")
     p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest request body accepted (413 above it), also after inflating OTLP bodies")
     p.add_argument("--upstream-timeout", type=float, default=600.0,
@@ -84,6 +88,9 @@ def _add_serve_security(p: argparse.ArgumentParser) -> None:
                    help="a Host header name to answer besides localhost/127.0.0.1/[::1] (repeatable)")
     p.add_argument("--weights-dir", default=None,
                    help="the only directory /api/weights/update loads weights from (default: none, refused)")
+    p.add_argument("--max-concurrent-calls", type=int, default=None, metavar="N",
+                   help="inference calls served at once; one more is a 429 (default 1024, "
+                        "$TRACEGYM_MAX_CONCURRENT_CALLS; docs/security.md lists every limit)")
 
 
 def _add_engine(sub: argparse._SubParsersAction) -> None:

@@ -19,6 +19,8 @@ from starlette.responses import Response
 from tracegym.gateway.api.params import Names, QueryModel, Status, Time, integer
 from tracegym.gateway.deps import RecorderDep, StoreDep
 from tracegym.gateway.openai_errors import OpenAIError, bad_request, error_responses
+from tracegym.gateway.proxy.ids import ID_CHARS
+from tracegym.gateway.proxy.validation import JSON_MAX_DEPTH
 from tracegym.gateway.traces.reads import list_spans as read_spans
 from tracegym.gateway.traces.store.schema import (
     ID_MAX_LENGTH,
@@ -39,13 +41,11 @@ T = TypeVar("T")
 _ID = ID_MAX_LENGTH
 _SPLIT = max_length(TASKS.c.split)
 _EVENT_NAME = max_length(E.c.name)
-# Ids are path segments: no control characters, and no U+FFFD (what a malformed %-escape decodes to).
-_ID_CHARS = r"^[^\x00-\x1f\x7f\ufffd]+$"
-RolloutId = Annotated[str, Path(max_length=_ID, pattern=_ID_CHARS)]
-RunName = Annotated[str, Path(max_length=_ID, pattern=_ID_CHARS)]
+# Ids are path segments: the one rule of ``proxy/ids.py`` (the hot routes check the same).
+RolloutId = Annotated[str, Path(max_length=_ID, pattern=ID_CHARS)]
+RunName = Annotated[str, Path(max_length=_ID, pattern=ID_CHARS)]
 MAX_LEASE_SECONDS = 7 * 24 * 3600.0
 """A lease longer than a week is a mistake (a hung worker would hold its rollout that long)."""
-JSON_MAX_DEPTH = 64
 
 
 def _json_value(value: Any) -> Any:
@@ -196,19 +196,28 @@ def _flush_spans(recorder: Any) -> None:
         recorder.force_flush()
 
 
+def _ended(request: Request, row: dict) -> dict:
+    """Tell the app's admission state (``proxy/admission.py``) what became of a rollout, so that its token
+    stops writing at once once it has ended."""
+    admission = getattr(request.app.state, "admission", None)
+    if admission is not None:
+        admission.rollouts.ended(row["rollout_id"], row["status"])
+    return row
+
+
 @router.post("/rollouts/{rollout_id}/complete", responses=error_responses(400, 404, 409))
 def complete(rollout_id: RolloutId, body: CompleteIn, store: StoreDep,
-             recorder: RecorderDep) -> Response:
+             recorder: RecorderDep, request: Request) -> Response:
     _flush_spans(recorder)
-    return _json(_call(store.complete, rollout_id, worker_id=body.worker_id, reward=body.reward))
+    return _json(_ended(request, _call(store.complete, rollout_id, worker_id=body.worker_id, reward=body.reward)))
 
 
 @router.post("/rollouts/{rollout_id}/fail", responses=error_responses(400, 404, 409))
 def fail(rollout_id: RolloutId, body: FailIn, store: StoreDep,
-         recorder: RecorderDep) -> Response:
+         recorder: RecorderDep, request: Request) -> Response:
     _flush_spans(recorder)
-    return _json(_call(store.fail, rollout_id, error=body.error, worker_id=body.worker_id,
-                       traceback=body.traceback))
+    return _json(_ended(request, _call(store.fail, rollout_id, error=body.error, worker_id=body.worker_id,
+                                       traceback=body.traceback)))
 
 
 @router.post("/rollouts/{rollout_id}/release", responses=error_responses(400, 404, 409))

@@ -27,7 +27,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from tracegym.gateway.deps import BodyLimitDep, StoreDep
-from tracegym.gateway.openai_errors import OpenAIError, bad_request, error_responses
+from tracegym.gateway.openai_errors import OpenAIError, bad_request, error_response, error_responses
+from tracegym.gateway.proxy.admission import ByteBudget
 from tracegym.gateway.traces.call_spans import ROLLOUT_ID, attributes_to_row_fields, json_safe
 from tracegym.gateway.traces.store.span_rows import SpanBatch
 
@@ -209,7 +210,7 @@ _OTLP_OK = {200: {"description": "An ExportTraceServiceResponse, in the request'
 
 
 @router.post("/v1/traces", openapi_extra={"requestBody": _OTLP_BODY},
-             responses=_OTLP_OK | error_responses(400, 413, 415))
+             responses=_OTLP_OK | error_responses(400, 413, 415, 429))
 async def ingest_traces(request: Request, store: StoreDep, limit: BodyLimitDep) -> Response:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("application/x-protobuf", "application/json"):
@@ -217,8 +218,19 @@ async def ingest_traces(request: Request, store: StoreDep, limit: BodyLimitDep) 
                           "application/x-protobuf or application/json")
     encoding = request.headers.get("content-encoding", "").strip().lower()
     body = await request.body()
-    await run_in_threadpool(_ingest, store, body, encoding, content_type, request.headers.get("x-rollout-id"),
-                            limit)
+    budget: ByteBudget | None = getattr(getattr(request.app.state, "admission", None), "otlp", None)
+    need = len(body) if encoding in ("", "identity") else limit  # a compressed body may inflate to the limit
+    if budget is not None and not budget.take(need):
+        busy = OpenAIError(429, "too many OTLP bytes being ingested at once: retry shortly", code="too_many_requests")
+        refused = error_response(429, busy.body())
+        refused.headers["Retry-After"] = "1"
+        return refused
+    try:
+        await run_in_threadpool(_ingest, store, body, encoding, content_type, request.headers.get("x-rollout-id"),
+                                limit)
+    finally:
+        if budget is not None:
+            budget.give(need)
     resp = ExportTraceServiceResponse()
     if content_type == "application/json":
         return Response(json_format.MessageToJson(resp), media_type="application/json")

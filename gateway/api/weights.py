@@ -43,12 +43,14 @@ router = APIRouter(prefix="/api", tags=["weights"])
 
 Version = Annotated[str, Field(min_length=1, max_length=200)]
 GroupName = Annotated[str, Field(min_length=1, max_length=200)]
+FilePath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")]
+"""A path as the operating system takes one: no NUL (which no path can hold), at most 4096 bytes' worth."""
 
 
 class WeightUpdateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_path: str = Field(min_length=1)
+    model_path: FilePath
     weight_version: Version
     pause: bool = True
     """Pause (abort + continue in-flight requests) around the load; False lets the upstream drain them."""
@@ -102,7 +104,7 @@ class LoraUpdateIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weight_version: Version
-    adapters: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], Annotated[str, Field(min_length=1)]] = \
+    adapters: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")], FilePath] = \
         Field(min_length=1)
     """Adapter name (``default``, or an agent's name) → its PEFT directory."""
     per_agent: bool = False

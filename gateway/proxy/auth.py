@@ -25,22 +25,24 @@ Keys are compared in constant time (``hmac.compare_digest``) and never logged.""
 from __future__ import annotations
 
 import hmac
+import math
 from dataclasses import dataclass
 
 from starlette.responses import Response
 
 from tracegym.gateway.openai_errors import OpenAIError, error_response
+from tracegym.gateway.proxy.admission import FailureLimiter
 from tracegym.gateway.proxy.anthropic.anthropic_errors import error_body as anthropic_error_body
+from tracegym.gateway.proxy.ids import id_problem
+from tracegym.http_rules import BODY_METHODS as _BODY_METHODS
+from tracegym.http_rules import host_name, is_json
 
 TOKEN_PREFIX = "tgr."
 _SIG_HEX = 64
 _DOMAIN = b"tracegym rollout token\x00"
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
-"""The default allow-list of a loopback-bound gateway (any port)."""
 
 OPEN, AGENT, ADMIN = 0, 1, 2
 _OPEN_PATHS = frozenset({"/healthz", "/docs", "/docs/oauth2-redirect", "/openapi.json", "/ui"})
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 NO_JSON_RULE = frozenset({"/v1/traces"})  # OTLP: protobuf or JSON, checked by the route
 
 
@@ -81,32 +83,25 @@ def classify(method: str, path: str) -> tuple[int, str | None]:
     return ADMIN, None
 
 
-def _host_name(host: bytes) -> bytes:
-    """The host part of a ``Host`` header (``[::1]:8000`` → ``[::1]``, ``localhost:80`` → ``localhost``)."""
-    if host.startswith(b"["):
-        end = host.find(b"]")
-        return host[:end + 1] if end > 0 else host
-    return host.partition(b":")[0]
-
-
-def _is_json(content_type: bytes) -> bool:
-    media = content_type.partition(b";")[0].strip().lower()
-    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
-
-
 @dataclass(frozen=True, slots=True)
 class Denial:
     status: int
     message: str
     code: str
+    retry_after: int | None = None
+    """Seconds, sent as ``Retry-After`` (a 429)."""
+    param: str | None = None
 
     def response(self, path: str) -> Response:
         """In the route's API's error shape (Anthropic's for the Messages routes, else OpenAI's)."""
         headers = {"WWW-Authenticate": 'Bearer realm="tracegym"'} if self.status == 401 else None
+        if self.retry_after is not None:
+            headers = {"Retry-After": str(self.retry_after)}
         if path.endswith(("/v1/messages", "/v1/messages/count_tokens")):
             r = error_response(self.status, anthropic_error_body(self.status, self.message))
         else:
-            r = error_response(self.status, OpenAIError(self.status, self.message, code=self.code).body())
+            r = error_response(self.status, OpenAIError(self.status, self.message, param=self.param,
+                                                        code=self.code).body())
         if headers:
             r.headers.update(headers)
         return r
@@ -123,9 +118,22 @@ _BAD_HOST = Denial(421, "Host not allowed: this gateway answers only the host na
 _NOT_JSON = Denial(415, "Content-Type must be application/json", "unsupported_media_type")
 
 
-_WANTED = {b"x-tracegym-key": 0, b"authorization": 1, b"x-api-key": 2, b"host": 3, b"content-type": 4,
-           b"content-length": 5, b"transfer-encoding": 6, b"x-rollout-id": 7}
-_HOST, _CTYPE, _LENGTH, _CHUNKED, _ROLLOUT = 3, 4, 5, 6, 7
+def _too_many_failures(wait: float) -> Denial:
+    return Denial(429, "too many requests with a missing or wrong key from this address: wait and retry",
+                  "too_many_auth_failures", retry_after=max(1, math.ceil(wait)))
+
+
+_HEADERS = ("X-Tracegym-Key", "Authorization", "x-api-key", "Host", "Content-Type", "Content-Length",
+            "Transfer-Encoding", "X-Rollout-Id", "X-Task-Id", "X-Agent-Name")
+"""The headers read here, each at most once per request: one that comes twice is a 400 (whichever copy a
+later reader took, a repeated ``X-Rollout-Id`` or key could name one rollout to this check and another to
+the call path, and two ``Host`` headers could pass the allow-list with the one not read)."""
+_WANTED = {name.lower().encode(): i for i, name in enumerate(_HEADERS)}
+_HOST, _CTYPE, _LENGTH, _CHUNKED, _ROLLOUT, _TASK = 3, 4, 5, 6, 7, 8
+_REPEATED = tuple(Denial(400, f"the {name} header is repeated: send it once", "repeated_header")
+                  for name in _HEADERS)
+TOKEN_ROLLOUT = "tracegym.token_rollout"
+"""The scope key under which ``Guard.check`` leaves the rollout of the token a request was let in with."""
 
 
 def _presented_key(seen: list[bytes | None]) -> bytes | None:
@@ -139,14 +147,29 @@ def _presented_key(seen: list[bytes | None]) -> bytes | None:
     return seen[2].strip() if seen[2] else None
 
 
+def _bad_ids(path: str, rollout_header: bytes | None, task_header: bytes | None) -> Denial | None:
+    """``ids.id_problem`` for the rollout a ``/rollouts/{id}/...`` path names and the ``X-Rollout-Id`` and
+    ``X-Task-Id`` headers (an empty header counts as absent)."""
+    for param, value in (("rollout_id", path[10:].partition("/")[0] if path.startswith("/rollouts/") else None),
+                         ("X-Rollout-Id", rollout_header.decode("latin-1") if rollout_header else None),
+                         ("X-Task-Id", task_header.decode("latin-1") if task_header else None)):
+        problem = None if value is None else id_problem(param, value)
+        if problem is not None:
+            return Denial(400, problem, "invalid_value", param=param)
+    return None
+
+
 class Guard:
-    """The checks of this module for one app: built from its settings once, then read-only."""
+    """The checks of this module for one app, built from its settings once; its only state is the count of
+    failed keys per client address (``admission.FailureLimiter``)."""
 
-    __slots__ = ("_admin", "_hosts")
+    __slots__ = ("_admin", "_failures", "_hosts")
 
-    def __init__(self, admin_key: str | None, allowed_hosts: list[str] | None = None) -> None:
+    def __init__(self, admin_key: str | None, allowed_hosts: list[str] | None = None,
+                 auth_failures_per_minute: int = 60) -> None:
         self._admin = admin_key.encode() if admin_key else None
         self._hosts = None if allowed_hosts is None else frozenset(h.lower().encode() for h in allowed_hosts)
+        self._failures = FailureLimiter(auth_failures_per_minute)
 
     @property
     def keyed(self) -> bool:
@@ -162,23 +185,29 @@ class Guard:
 
     def check(self, scope: dict) -> Denial | None:
         """None to let the request through, else why not. May add ``x-rollout-id`` to ``scope``'s headers
-        (a rollout token's call that names no rollout is attributed to the token's rollout)."""
-        seen: list[bytes | None] = [None] * len(_WANTED)
+        (a rollout token's call that names no rollout is attributed to the token's rollout) and sets
+        ``scope[TOKEN_ROLLOUT]`` for a request let in with a rollout token."""
+        seen: list[bytes | None] = [None] * len(_HEADERS)
         for k, v in scope["headers"]:  # one dict probe per header
             i = _WANTED.get(k)
             if i is not None:
+                if seen[i] is not None:
+                    return _REPEATED[i]
                 seen[i] = v
         host, ctype, length, chunked, rollout_header = (seen[_HOST], seen[_CTYPE], seen[_LENGTH], seen[_CHUNKED],
                                                         seen[_ROLLOUT])
-        if self._hosts is not None and (host is None or _host_name(host).lower() not in self._hosts):
+        if self._hosts is not None and (host is None or host_name(host) not in self._hosts):
             return _BAD_HOST
         method, path = scope["method"], scope["path"]
+        denial = _bad_ids(path, rollout_header, seen[_TASK])
+        if denial is not None:
+            return denial
         if self._admin is not None:
             denial = self._authorize(scope, method, path, _presented_key(seen), rollout_header)
             if denial is not None:
                 return denial
         has_body = chunked is not None or (length is not None and length.strip() != b"0")
-        if has_body and method in _BODY_METHODS and path not in NO_JSON_RULE and not _is_json(ctype or b""):
+        if has_body and method in _BODY_METHODS and path not in NO_JSON_RULE and not is_json(ctype or b""):
             return _NOT_JSON
         return None
 
@@ -187,6 +216,18 @@ class Guard:
         kind, path_rollout = classify(method, path)
         if kind == OPEN:
             return None
+        client = scope.get("client")
+        address = client[0] if client else ""
+        wait = self._failures.wait(address)
+        if wait is not None:
+            return _too_many_failures(wait)
+        denial = self._key_denial(scope, kind, path_rollout, key, rollout_header)
+        if denial is not None and denial.status == 401:
+            self._failures.failed(address)
+        return denial
+
+    def _key_denial(self, scope: dict, kind: int, path_rollout: str | None, key: bytes | None,
+                    rollout_header: bytes | None) -> Denial | None:
         if not key:
             return _NO_KEY
         assert self._admin is not None
@@ -202,5 +243,7 @@ class Guard:
         if target is None:
             kept = [(k, v) for k, v in scope["headers"] if k != b"x-rollout-id"]  # an empty one included
             scope["headers"] = [*kept, (b"x-rollout-id", token_rid.encode())]
-            return None
-        return None if hmac.compare_digest(target.encode(), token_rid.encode()) else _OTHER_ROLLOUT
+        elif not hmac.compare_digest(target.encode(), token_rid.encode()):
+            return _OTHER_ROLLOUT
+        scope[TOKEN_ROLLOUT] = token_rid
+        return None

@@ -93,21 +93,27 @@ MAX_TOKENS_PARAM = {"responses": "max_output_tokens"}
 
 
 def cap_max_tokens(svc: Services, parsed: ParsedRequest) -> None:
-    """``GatewaySettings.max_tokens_cap``: a request asking for more new tokens is a 400 (what OpenAI and
-    Anthropic answer to a ``max_tokens`` above a model's limit, rather than a silent clamp that would cut
-    replies the client believes it allowed); a request that asks for none gets the cap."""
+    """``GatewaySettings.max_tokens_cap``, on the call's whole output (``n`` choices × their new tokens): a
+    request asking for more is a 400 (what OpenAI and Anthropic answer to a ``max_tokens`` above a model's
+    limit, rather than a silent clamp that would cut replies the client believes it allowed); a request
+    that asks for none gets the cap shared among its choices."""
     cap = svc.settings.max_tokens_cap
     if cap is None:
         return
+    n = parsed.sampling.n or 1
     asked = parsed.sampling.max_tokens
     if asked is None:
-        parsed.sampling.max_tokens = cap
-    elif asked > cap:
+        if n > cap:
+            raise OpenAIError(400, f"n is too large: {n}. This gateway allows at most {cap} new tokens per "
+                              "call (--max-tokens-cap), at least one per choice.", param="n", code="invalid_value")
+        parsed.sampling.max_tokens = cap // n
+    elif asked * n > cap:
         param = MAX_TOKENS_PARAM.get(parsed.api, "max_tokens")
         if parsed.api == "chat" and "max_completion_tokens" in parsed.body:
             param = "max_completion_tokens"
-        raise OpenAIError(400, f"{param} is too large: {asked}. This gateway allows at most {cap} new tokens "
-                          "per call (--max-tokens-cap).", param=param, code="invalid_value")
+        asked_all = f"{asked}" if n == 1 else f"{asked} × n={n} = {asked * n}"
+        raise OpenAIError(400, f"{param} is too large: {asked_all}. This gateway allows at most {cap} new tokens "
+                          "per call, over all its choices (--max-tokens-cap).", param=param, code="invalid_value")
 
 
 async def run_call(svc: Services, parsed: ParsedRequest, ctx: CallContext, build: Builder,

@@ -1,8 +1,9 @@
 """The gateway's one way in: ``GatewayFront``, the outermost ASGI layer of the app (``app.GatewayApp``
 puts it outside FastAPI's own middleware stack, so tests and ``tracegym serve`` run the same app).
 
-Every request passes the app's ``auth.Guard`` (keys, Host allow-list, JSON content type) and is counted in
-the request metrics. The inference routes (``INFERENCE_ROUTES``: ``POST /v1/chat/completions``,
+Every request passes the app's ``auth.Guard`` (each security header once, keys, Host allow-list, ids, JSON
+content type) and is counted in the request metrics; a rollout token's writes into its ended rollout are
+409s, and inference calls past ``admission.Admission``'s bounds are 429s. The inference routes (``INFERENCE_ROUTES``: ``POST /v1/chat/completions``,
 ``/v1/completions``, ``/v1/responses``, ``/v1/messages``, ``/v1/messages/count_tokens`` and their
 ``/rollouts/{rollout_id}/v1/...`` forms) are served here and only here: the front calls their handlers
 directly, with the OpenAI error shape (the Messages handlers answer theirs in Anthropic's), and so skips
@@ -19,7 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracegym.gateway.deps import Services
 from tracegym.gateway.openai_errors import OpenAIError, error_body, error_response, internal_error
+from tracegym.gateway.proxy.admission import Admission
 from tracegym.gateway.proxy.anthropic.messages_routes import count_tokens, create_message
+from tracegym.gateway.proxy.auth import TOKEN_ROLLOUT, Denial
 from tracegym.gateway.proxy.call_path import InferenceHandler
 from tracegym.gateway.proxy.completions_routes import create_chat_completion, create_completion
 from tracegym.gateway.proxy.responses.responses_routes import create_response
@@ -74,13 +77,27 @@ class GatewayFront:
 
         try:
             denial = state.guard.check(scope)
+            admission: Admission | None = getattr(state, "admission", None)
+            token_rollout = scope.get(TOKEN_ROLLOUT)
+            if denial is None and token_rollout is not None and admission is not None and services is not None:
+                denial = await _ended(admission, services, scope, token_rollout)
             if denial is not None:
                 await denial.response(scope["path"])(scope, receive, send_wrapper)
             elif route is None:
                 limit = services.settings.max_body_bytes if services is not None else None
                 await self._framework(scope, receive, send_wrapper, limit)
-            else:
+            elif admission is None:
                 await self._inference(route, services, scope, receive, send_wrapper)
+            else:
+                refused = admission.enter(token_rollout)
+                if refused is not None:
+                    busy = Denial(429, refused, "too_many_requests", retry_after=admission.retry_after)
+                    await busy.response(scope["path"])(scope, receive, send_wrapper)
+                    return
+                try:
+                    await self._inference(route, services, scope, receive, send_wrapper)
+                finally:
+                    admission.leave(token_rollout)
         except ClientDisconnect:  # nobody to answer (the call was recorded as such); counted as nginx's 499
             status = 499
         finally:
@@ -137,6 +154,17 @@ class GatewayFront:
         except Exception as e:
             response = internal_error(e, scope["path"])
         await response(scope, receive, send)
+
+
+async def _ended(admission: Admission, services: Services, scope: Scope, rollout_id: str) -> Denial | None:
+    """The 409 for a rollout token's write (a POST but a token count) into its ended rollout."""
+    if scope["method"] != "POST" or scope["path"].endswith("/count_tokens"):
+        return None
+    status = await admission.rollouts.ended_status(services.store, rollout_id)
+    if status is None:
+        return None
+    return Denial(409, f"rollout {rollout_id!r} has ended ({status}): its token can no longer add calls, "
+                  "rewards or events (it can still read the rollout)", "rollout_ended")
 
 
 def not_allowed() -> Response:

@@ -58,13 +58,37 @@ class ParsedRequest:
         return frozenset(t["function"]["name"] for t in self.tools if isinstance(t.get("function"), dict))
 
 
+JSON_MAX_DEPTH = 64
+"""The deepest nesting of arrays and objects a request body may have (the body itself is level 1): a body
+is refused (400) before any generation rather than generated and then found unencodable in its span
+(orjson encodes at most 254 levels). The control API's JSON values share it."""
+
+
+def json_depth_problem(value: Any, limit: int = JSON_MAX_DEPTH) -> str | None:
+    """Why ``value`` nests too deep (None: it does not), checked without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return f"JSON nested deeper than {limit} levels"
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((x, depth + 1) for x in children if isinstance(x, dict | list))
+    return None
+
+
 def load_json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, nesting at most ``JSON_MAX_DEPTH`` levels (walked only when the body
+    holds enough brackets to reach it: a count at C speed spares the walk of most bodies)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    if raw.count(b"{") + raw.count(b"[") > JSON_MAX_DEPTH:
+        problem = json_depth_problem(body)
+        if problem is not None:
+            raise bad_request(f"request body is {problem}")
     return body
 
 
@@ -118,10 +142,37 @@ def _model(body: dict) -> str:
     return m
 
 
+LOGIT_BIAS_MAX = 300
+"""Entries a ``logit_bias`` may have (OpenAI's own bound)."""
+
+
+def _unused_sampling(body: dict) -> None:
+    """Bounds on the sampling fields the gateway does not use itself but an OpenAI-compatible upstream
+    would receive as sent: ``best_of`` other than 1 and beam search are refused (one call, one sample per
+    choice), ``logit_bias`` is at most ``LOGIT_BIAS_MAX`` entries of -100..100, ``top_k``, ``min_tokens``
+    and ``prompt_logprobs`` are bounded integers."""
+    best_of = _integer(body, "best_of", 1)
+    if best_of is not None and best_of != 1:
+        raise bad_request("'best_of' is not supported: only 1 (ask for 'n' choices instead)", "best_of")
+    if _get(body, "use_beam_search", bool, "a boolean"):
+        raise bad_request("'use_beam_search' is not supported", "use_beam_search")
+    bias = _get(body, "logit_bias", dict, "an object")
+    if bias is not None:
+        if len(bias) > LOGIT_BIAS_MAX:
+            raise bad_request(f"'logit_bias' takes at most {LOGIT_BIAS_MAX} entries", "logit_bias")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) and -100 <= v <= 100
+                   for v in bias.values()):
+            raise bad_request("'logit_bias' values must be numbers between -100 and 100", "logit_bias")
+    _integer(body, "top_k", -1, 1 << 20)
+    _integer(body, "min_tokens", 0, 1 << 20)
+    _integer(body, "prompt_logprobs", 0, 20)
+
+
 def _sampling(body: dict, *, max_key_first: str | None) -> SamplingParams:
     max_tokens = _integer(body, max_key_first, 1) if max_key_first else None
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1)
+    _unused_sampling(body)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0),

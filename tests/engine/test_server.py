@@ -92,7 +92,8 @@ def test_text_input_and_bad_requests(client: httpx.Client) -> None:
         r = client.post("/generate", json=body)
         assert r.status_code == 400, body
         assert r.json()["error"]["message"]
-    assert client.post("/generate", content=b"{not json").status_code == 400
+    assert client.post("/generate", content=b"{not json",
+                       headers={"Content-Type": "application/json"}).status_code == 400
 
 
 def test_stop_token_ids_end_generation_and_are_kept(client: httpx.Client) -> None:
@@ -263,3 +264,27 @@ def test_batched_prompts_and_multi_stream(client: httpx.Client) -> None:
         chunks = [json.loads(x.removeprefix("data: ")) for x in r.iter_lines() if x and x != "data: [DONE]"]
     finals = {c["index"]: c for c in chunks if c["meta_info"]["finish_reason"]}
     assert sorted(finals) == [0, 1] and all(len(c["output_ids"]) == 3 for c in finals.values())
+
+
+def test_the_gateways_host_and_content_type_rules() -> None:
+    """``server.HttpRules`` before every route: a rebound DNS name (or two Host headers) is a 421, a
+    ``text/plain`` body a 415; a loopback bind gets the loopback names as its allow-list."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from tracegym.engine.server import HttpRules, allowed_hosts
+
+    async def generate(request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    app = HttpRules(Starlette(routes=[Route("/generate", generate, methods=["POST"])]),
+                    allowed_hosts=allowed_hosts("127.0.0.1"))
+    with TestClient(app, base_url="http://127.0.0.1:30000") as c:
+        assert c.post("/generate", json={"input_ids": [1]}).status_code == 200
+        assert c.post("/generate", json={"input_ids": [1]}, headers={"Host": "evil.example"}).status_code == 421
+        assert c.post("/generate", json={}, headers={"Host": "localhost:80:evil"}).status_code == 421
+        assert c.post("/generate", content=b'{"input_ids": [1]}',
+                      headers={"Content-Type": "text/plain"}).status_code == 415
+    assert allowed_hosts("0.0.0.0") is None

@@ -68,3 +68,24 @@ def test_serve_refuses_a_public_bind_without_a_key() -> None:
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().startswith("tracegym serve: refusing to bind 0.0.0.0 without an admin key")
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_store_url_comes_from_the_environment_or_a_password_file(monkeypatch, tmp_path, caplog) -> None:
+    from tracegym.gateway.serve import DEFAULT_STORE, store_url, warn_visible_password
+
+    monkeypatch.delenv("TRACEGYM_STORE_URL", raising=False)
+    assert store_url(_args()) == DEFAULT_STORE
+    assert store_url(_args("--store", "none")) is None
+    monkeypatch.setenv("TRACEGYM_STORE_URL", "postgresql+psycopg://u:envpw@db/tg")
+    assert store_url(_args()) == "postgresql+psycopg://u:envpw@db/tg"
+    secret = tmp_path / "pw"
+    secret.write_text("s3cr@t\n")
+    url = store_url(_args("--store", "postgresql+psycopg://u@db/tg", "--store-password-file", str(secret)))
+    from sqlalchemy.engine import make_url
+
+    assert make_url(url).password == "s3cr@t" and make_url(url).host == "db"
+    with caplog.at_level(logging.WARNING, logger="tracegym.gateway"):
+        warn_visible_password(_args("--store", "postgresql+psycopg://u@db/tg"))
+        assert not caplog.records
+        warn_visible_password(_args("--store", "postgresql+psycopg://u:pw@db/tg"))
+    assert "process list" in caplog.text and "pw@" not in caplog.text

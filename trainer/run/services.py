@@ -92,10 +92,10 @@ def start_services(recipe: TrainRecipe, model_dir: Path, recipe_dir: Path) -> It
             port = free_port()
             argv = ["tracegym", "serve", "--port", str(port),
                     *(a for u in services.upstream_urls for a in ("--upstream", u)),
-                    "--upstream-kind", recipe.upstream.kind, "--model", served_model, "--store", recipe.store]  # fmt: skip
+                    "--upstream-kind", recipe.upstream.kind, "--model", served_model]  # fmt: skip
             services.admin_key = os.environ.get("TRACEGYM_ADMIN_KEY") or secrets.token_urlsafe(32)
             _write_key(recipe.run_dir / "admin_key", services.admin_key)
-            env = {"TRACEGYM_ADMIN_KEY": services.admin_key,
+            env = {"TRACEGYM_ADMIN_KEY": services.admin_key, "TRACEGYM_STORE_URL": recipe.store,  # not in `ps`
                    "TRACEGYM_WEIGHTS_DIR": str((recipe.run_dir / "weights").resolve())}
             if engine_key is not None:
                 env["TRACEGYM_UPSTREAM_API_KEY"] = engine_key

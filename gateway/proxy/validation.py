@@ -64,15 +64,21 @@ is refused (400) before any generation rather than generated and then found unen
 (orjson encodes at most 254 levels). The control API's JSON values share it."""
 
 
+def _too_deep(value: dict | list, depth: int, limit: int) -> bool:
+    """Recursive, but never past ``limit`` + 1 frames (a hostile nesting stops at the limit)."""
+    if depth > limit:
+        return True
+    for x in value.values() if type(value) is dict else value:
+        t = type(x)
+        if (t is dict or t is list) and _too_deep(x, depth + 1, limit):
+            return True
+    return False
+
+
 def json_depth_problem(value: Any, limit: int = JSON_MAX_DEPTH) -> str | None:
-    """Why ``value`` nests too deep (None: it does not), checked without recursion."""
-    stack = [(value, 1)]
-    while stack:
-        v, depth = stack.pop()
-        if depth > limit:
-            return f"JSON nested deeper than {limit} levels"
-        children = v.values() if isinstance(v, dict) else v
-        stack.extend((x, depth + 1) for x in children if isinstance(x, dict | list))
+    """Why ``value`` nests too deep (None: it does not)."""
+    if isinstance(value, dict | list) and _too_deep(value, 1, limit):
+        return f"JSON nested deeper than {limit} levels"
     return None
 
 

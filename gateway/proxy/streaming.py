@@ -29,6 +29,7 @@ from tracegym.gateway.proxy.call_context import (
 from tracegym.gateway.proxy.openai_replies import (
     assistant_message,
     completion_logprobs_of,
+    family_of,
     logprob_entries,
     openai_finish_reason,
     opens_in_reasoning,
@@ -38,7 +39,7 @@ from tracegym.gateway.proxy.openai_replies import (
     usage,
 )
 from tracegym.gateway.proxy.prompt.reasoning import StreamingReasoningParser
-from tracegym.gateway.proxy.prompt.tools import StreamingToolParser, combine_status
+from tracegym.gateway.proxy.prompt.tools import combine_status
 from tracegym.gateway.proxy.upstream.base import GenChoice, StreamEvent
 from tracegym.gateway.proxy.validation import ParsedRequest
 
@@ -116,8 +117,8 @@ class ChoiceStream:
         self.hold = max((len(s) for s in parsed.sampling.stop), default=1) - 1
         native = svc.upstream.token_native and svc.tokenizer is not None
         self.decoder = IncrementalDecoder(svc.tokenizer) if native else None
-        self.tool_parser = (StreamingToolParser(parsed.tool_names) if parse_tools and parsed.parse_tools and native
-                            else None)
+        self.tool_parser = (family_of(svc).stream_tools(parsed.tool_names)
+                            if parse_tools and parsed.parse_tools and native else None)
         self.reasoning = reasoning
         self._parsed_reasoning = TextBuilder()
         self.upstream_tool_calls: dict[int, dict[str, Any]] = {}
@@ -263,7 +264,7 @@ class StreamWriter:
         self.chat = parsed.operation == "chat"
         split = self.chat and separates_reasoning(svc, parsed)
         opens = split and opens_in_reasoning(svc, prompt)
-        self.choices = {i: ChoiceStream(svc, parsed, i, reasoning=StreamingReasoningParser(opens) if split else None)
+        self.choices = {i: ChoiceStream(svc, parsed, i, reasoning=family_of(svc).stream_reasoning(opens) if split else None)
                         for i in range(parsed.sampling.n)}
         self.weight_version: str | None = None
         self.prompt_tokens = 0

@@ -31,6 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from tracegym.gateway.proxy.prompt.caches import BoundedLRU, SegmentEncoder, render_key
+from tracegym.gateway.proxy.prompt.families import Family, detect, family
 from tracegym.gateway.proxy.prompt.reasoning import join_reasoning
 from tracegym.gateway.proxy.prompt.tools import format_assistant_content, parse_arguments, tool_system_section
 
@@ -273,6 +274,7 @@ class ChatTokenizer:
         name_or_path: str = "",
         extra_eos_ids: list[int] | None = None,
         tool_role: str = "tool",
+        chat_format: Family | str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.templates = templates
@@ -289,22 +291,30 @@ class ChatTokenizer:
         }
         """Special tokens the tokenizer always splits on: text can be encoded piecewise around them."""
         sources = "".join(templates.values())  # split where the template writes special tokens
+        self.family = (chat_format if isinstance(chat_format, Family) else family(chat_format) if chat_format
+                       else detect(sources, {t.content for t in added.values()}, where=name_or_path or "the tokenizer"))
+        """The model family (``families``): how messages are prepared and replies parsed."""
+        self._keep_ids = {i for i, tok in added.items() if tok.content in self.family.keep_tokens}
         self.template_split_tokens = {t: i for t, i in self.split_tokens.items() if t in sources}
         """The split tokens the chat templates write (where rendered text is cut for piecewise encoding)."""
         self._encoder = SegmentEncoder(tokenizer, self.template_split_tokens)
         self._native = {name: re.search(r"\btools\b", src) is not None for name, src in templates.items()}
         self._reasoning_field = {name: "reasoning_content" in src for name, src in templates.items()}
-        self.reasoning = "<think>" in sources or "reasoning_content" in sources
+        self.reasoning = "<think>" in sources or "reasoning_content" in sources or self.family.reasoning is not None
         """The templates know reasoning (``<think>``): chat replies get ``reasoning_content`` split off."""
         # Rendered prompts by their JSON inputs; off for templates that read the clock or a random source.
         deterministic = not re.search(r"\b(strftime_now|lipsum|random)\b", sources)
         self._renders = BoundedLRU(max_entries=4096, max_chars=32 * 1024 * 1024) if deterministic else None
-        eos = [tokenizer.token_to_id(t) for t in (special_tokens.get("eos_token"), "<|im_end|>") if t]
+        eos = [tokenizer.token_to_id(t) for t in (special_tokens.get("eos_token"), "<|im_end|>",
+                                                   *self.family.stop_tokens) if t]
         ids = [i for i in [*eos, *(extra_eos_ids or [])] if i is not None]
         self._eos_ids = list(dict.fromkeys(ids))
 
     @classmethod
-    def from_dir(cls, path: str | Path, *, tool_role: str = "tool") -> ChatTokenizer:
+    def from_dir(cls, path: str | Path, *, tool_role: str = "tool", chat_format: str | None = None
+                 ) -> ChatTokenizer:
+        """``chat_format``: a family name (``families.FAMILIES``) instead of recognising it; an unrecognised
+        tokenizer without one is an ``UnknownChatFormat`` naming what was looked for."""
         d = Path(path).expanduser()
         if not (d / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{d} has no tokenizer.json (a fast tokenizer file is required)")
@@ -325,6 +335,7 @@ class ChatTokenizer:
             name_or_path=str(d),
             extra_eos_ids=extra_eos,
             tool_role=tool_role,
+            chat_format=chat_format,
         )
 
     # ---- properties
@@ -389,7 +400,8 @@ class ChatTokenizer:
                 add_generation_prompt: bool, tool_choice: Any, kwargs: dict[str, Any]) -> str:
         name = self.template_for(tools)
         native = self._native[name]
-        msgs, visible_tools = prepare_messages(
+        prepare = self.family.prepare or prepare_messages
+        msgs, visible_tools = prepare(
             messages, tools=tools, tool_choice=tool_choice, native_tools=native, tool_role=self.tool_role,
             reasoning_field=self._reasoning_field[name],
         )
@@ -404,6 +416,9 @@ class ChatTokenizer:
             )
         except jinja2.exceptions.TemplateError as e:
             raise TemplateRenderError(f"chat template error: {e}") from e
+        except (TypeError, KeyError, AttributeError, IndexError) as e:  # a shape the template cannot take
+            raise TemplateRenderError(
+                f"chat template error ({self.family.name}): {type(e).__name__}: {e}") from e
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are matched, none are added. Exactly
@@ -412,6 +427,11 @@ class ChatTokenizer:
         return self._encoder.encode(text)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        """``skip_special_tokens`` skips the special tokens except the family's ``keep_tokens`` (the
+        structure of its replies, such as harmony's channels), so reply parsers read them."""
+        if skip_special_tokens and self._keep_ids:
+            ids = [i for i in ids if i in self._keep_ids or i not in self._special_ids]
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply(

@@ -1,0 +1,156 @@
+"""What a model family is, as data: how its chat template is fed, how its replies are read back.
+
+A ``Family`` holds pure functions and constants only; one module per family builds one. The gateway picks
+the family of a model directory once (``families.detect``) and dispatches through it:
+
+- ``prepare``: OpenAI-shaped messages → the messages (and tools) its chat template expects;
+- ``split_reasoning``: a reply's reasoning off its text (``<think>`` blocks, harmony's analysis channel);
+- ``parse_tools``: the text's tool calls → OpenAI ``tool_calls`` with a parse status (never silent:
+  ``ok`` | ``none`` | ``failed: <reason>``);
+- ``stream_tools``: the same, fed text deltas;
+- ``stop_tokens``, ``keep_tokens``: how a reply ends, and the special tokens its decoded text keeps;
+- ``history_rewrites``: what its template drops or rewrites in earlier turns (so prefix reuse reports
+  ``realigned`` there instead of drifting silently), written for people (docs/model-families.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tracegym.gateway.proxy.prompt.reasoning import ReasoningDelta, StreamingReasoningParser, split_reasoning
+from tracegym.gateway.proxy.prompt.tools import StreamingToolParser, ToolParse, ToolStreamDelta, parse_tools
+
+
+class StreamTools(Protocol):
+    """Incremental tool-call parsing (``tools.StreamingToolParser`` is one)."""
+
+    def feed(self, delta: str) -> list[ToolStreamDelta]: ...
+
+    def finish(self) -> list[ToolStreamDelta]: ...
+
+    @property
+    def status(self) -> str: ...
+
+
+Prepare = Callable[..., tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]
+"""``prepare(messages, tools=, tool_choice=, native_tools=, tool_role=, reasoning_field=)`` →
+``(template messages, tools the template sees)`` (``templating.prepare_messages`` is the default)."""
+
+
+def _split_think(text: str, opens: bool) -> tuple[str | None, str]:
+    return split_reasoning(text, opens_in_reasoning=opens)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    summary: str
+    """One line: the chat format and tool-call syntax."""
+    recognise: Callable[[str, Collection[str]], bool]
+    """``(chat template sources joined, the tokenizer's added-token strings)`` → whether this is the family."""
+    tool_syntax: str
+    reasoning: str | None = None
+    """How reasoning is written (None: the family has none)."""
+    parallel_calls: bool = True
+    stop_tokens: tuple[str, ...] = ()
+    history_rewrites: str = "nothing: earlier turns render as they were sampled"
+    keep_tokens: tuple[str, ...] = ()
+    """Special tokens kept when a reply is decoded (its syntax is made of them); others are skipped."""
+    prepare: Prepare | None = None
+    """None: ``templating.prepare_messages``."""
+    split_reasoning: Callable[[str, bool], tuple[str | None, str]] = _split_think
+    parse_tools: Callable[[str, Collection[str] | None], ToolParse] = parse_tools
+    stream_tools: Callable[[Collection[str] | None], StreamTools] = StreamingToolParser
+    stream_reasoning: Callable[[bool], Any] = StreamingReasoningParser
+    """``(opens_in_reasoning)`` → a parser with ``feed``/``finish`` (``ReasoningDelta`` lists), ``state`` and
+    ``started``, as ``reasoning.StreamingReasoningParser``."""
+
+
+class BufferedToolParser:
+    """Streaming for syntaxes without an incremental parser: text passes through until one of ``markers``
+    may have started; from there it is held and parsed whole at ``finish`` (so the events equal
+    ``parse`` of the whole text: content first, then the calls). ``at_start``: the syntax can only open
+    the reply (after whitespace), so the reply is held until that is decided."""
+
+    def __init__(self, parse: Callable[[str, Collection[str] | None], ToolParse], markers: tuple[str, ...],
+                 names: Collection[str] | None, *, at_start: bool = False) -> None:
+        self._parse, self._markers, self._names, self._at_start = parse, markers, names, at_start
+        self._sent = ""  # content already emitted
+        self._held = ""
+        self._holding = False
+        self._status = "none"
+
+    def feed(self, delta: str) -> list[ToolStreamDelta]:
+        self._held += delta
+        if self._holding:
+            return []
+        if self._at_start:
+            body = self._held.lstrip()
+            if not body or any(m.startswith(body) for m in self._markers):
+                return []  # undecided
+            if any(body.startswith(m) for m in self._markers):
+                self._holding = True
+                return []
+            self._at_start, self._markers = False, ()  # decided: the reply is plain text
+        cut = len(self._held)
+        for m in self._markers:
+            i = self._held.find(m)
+            if i >= 0:
+                self._holding, cut = True, min(cut, i)
+                continue
+            for n in range(min(len(m) - 1, len(self._held)), 0, -1):
+                if self._held.endswith(m[:n]):
+                    cut = min(cut, len(self._held) - n)
+                    break
+        body = self._held[:cut].rstrip()  # whitespace before a call is dropped by the parse: hold it
+        out, self._held = body, self._held[len(body):]
+        self._sent += out
+        return [ToolStreamDelta("content", out)] if out else []
+
+    def finish(self) -> list[ToolStreamDelta]:
+        whole = self._sent + self._held
+        parsed = self._parse(whole, self._names)
+        self._status = parsed.status
+        out: list[ToolStreamDelta] = []
+        content = parsed.content or ""
+        # what was emitted is a prefix of the parsed content (held text is where the syntax may start)
+        if content.startswith(self._sent):
+            if len(content) > len(self._sent):
+                out.append(ToolStreamDelta("content", content[len(self._sent):]))
+        elif not parsed.calls and len(whole) > len(self._sent):
+            out.append(ToolStreamDelta("content", whole[len(self._sent):]))
+        for i, c in enumerate(parsed.calls):
+            out.append(ToolStreamDelta("tool_call", index=i, id=c["id"], name=c["function"]["name"],
+                                       arguments=c["function"]["arguments"]))
+        return out
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+
+class BufferedReasoning:
+    """Streaming reasoning for formats without an incremental splitter: the reply is held and split whole
+    by ``split`` at ``finish`` (reasoning first, then the text)."""
+
+    def __init__(self, split: Callable[[str, bool], tuple[str | None, str]], opens: bool = False) -> None:
+        self._split, self._opens, self._buf = split, opens, ""
+        self.state = "start"
+        self.started = False
+
+    def feed(self, delta: str) -> list[ReasoningDelta]:
+        self._buf += delta
+        return []
+
+    def finish(self) -> list[ReasoningDelta]:
+        reasoning, text = self._split(self._buf, self._opens)
+        self._buf, self.state = "", "text"
+        out = []
+        if reasoning is not None:
+            self.started = True
+            out.append(ReasoningDelta("reasoning", reasoning))
+        if text:
+            out.append(ReasoningDelta("text", text))
+        return out

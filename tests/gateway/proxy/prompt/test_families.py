@@ -1,0 +1,105 @@
+"""Model families: recognition (and its clear failure), the per-family parsers on whole and streamed
+replies, and decoding that keeps a family's structural special tokens."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.proxy.prompt import family_corpus as corpus
+from tracegym.gateway.proxy.prompt.families import FAMILIES, UnknownChatFormat, detect, family
+from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
+
+NAMES = [t["function"]["name"] for t in corpus.TOOLS]
+CALLS = [corpus.Call("a", "add", {"a": 1, "b": 2.5}), corpus.Call("b", "search", {"query": "熊猫"})]
+
+
+def test_unknown_tokenizer_is_a_clear_error_and_an_override_works(tiny_model_dir: Path) -> None:
+    base = ChatTokenizer.from_dir(tiny_model_dir)
+    assert base.family.name == "chatml"
+    with pytest.raises(UnknownChatFormat, match=r"looked for .*<\|channel\|> \(gpt_oss\).*chatml"):
+        detect("{{ messages[0].content }}", {"<s>", "</s>"}, where="/models/x")
+    with pytest.raises(UnknownChatFormat, match="known: gpt_oss, deepseek_v3"):
+        family("mistral")
+    forced = ChatTokenizer(base.tokenizer, base.templates, base.special_tokens, chat_format="llama3")
+    assert forced.family is FAMILIES["llama3"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_streamed_parse_equals_whole_parse(name: str) -> None:
+    f = FAMILIES[name]
+    calls = CALLS if f.parallel_calls else CALLS[:1]
+    rng = random.Random(0)
+    for text in (corpus.sampled(name, "", calls), corpus.sampled(name, "Sure.", []), "plain words <b>",
+                 corpus.sampled(name, "", calls).replace("add", "nope")):
+        _, rest = f.split_reasoning(text, False)
+        whole = f.parse_tools(rest, NAMES)
+        for _ in range(5):
+            parser, content, streamed = f.stream_tools(NAMES), "", []
+            pos = 0
+            while pos < len(rest):
+                step = rng.randint(1, 7)
+                for ev in parser.feed(rest[pos:pos + step]):
+                    if ev.kind == "content":
+                        content += ev.text
+                    else:
+                        streamed.append((ev.name, ev.arguments))
+                pos += step
+            for ev in parser.finish():
+                if ev.kind == "content":
+                    content += ev.text
+                else:
+                    streamed.append((ev.name, ev.arguments))
+            assert parser.status == whole.status, (name, text)
+            assert streamed == [(c["function"]["name"], c["function"]["arguments"]) for c in whole.calls]
+            assert (content or None) == whole.content, (name, text, content)
+
+
+def test_llama3_python_tag_and_semicolon_separated_calls() -> None:
+    f = FAMILIES["llama3"]
+    p = f.parse_tools('<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "search", "arguments": '
+                      '{"query": "x"}}', NAMES)
+    assert p.status == "ok" and [c["function"]["name"] for c in p.calls] == ["add", "search"] and p.content is None
+    assert f.parse_tools('{"name": "add", "parameters": {"a": 1}} trailing', NAMES).status.startswith("failed")
+    assert f.parse_tools('{"name": "add", "parameters": "not json"}', NAMES).status == (
+        "failed: arguments are not JSON")
+    assert f.parse_tools("The answer is {1}.", NAMES).status == "none"
+
+
+def test_deepseek_content_before_calls_and_unterminated_call() -> None:
+    f = FAMILIES["deepseek_v3"]
+    text = corpus.sampled("deepseek_v3", "Let me check.", CALLS)
+    p = f.parse_tools(text, NAMES)
+    assert p.status == "ok" and p.content == "Let me check." and len(p.calls) == 2
+    assert p.calls[0]["function"]["arguments"] == '{"a": 1, "b": 2.5}'  # as sampled
+    cut = text[: text.index("```<｜tool▁call▁end｜>")]
+    assert f.parse_tools(cut, NAMES).status.startswith("failed: unterminated")
+
+
+def test_harmony_channels() -> None:
+    f = FAMILIES["gpt_oss"]
+    text = ("<|channel|>analysis<|message|>think π<|end|><|start|>assistant<|channel|>commentary<|message|>"
+            "Checking.<|end|><|start|>assistant to=functions.add<|channel|>commentary <|constrain|>json"
+            '<|message|>{"a": 1}')
+    reasoning, rest = f.split_reasoning(text, False)
+    assert reasoning == "think π"
+    p = f.parse_tools(rest, NAMES)
+    assert p.status == "ok" and p.content == "Checking." and p.calls[0]["function"]["name"] == "add"
+    final = f.parse_tools("<|channel|>final<|message|>Hi there", NAMES)
+    assert final.content == "Hi there" and final.status == "none"
+    browser = f.parse_tools('<|channel|>commentary to=browser.search<|message|>{"q": 1}', NAMES)
+    assert browser.status == "failed: recipient 'browser.search' is not a function"
+    never_closed, rest = f.split_reasoning("<|channel|>analysis<|message|>still thinking", False)
+    assert never_closed == "still thinking" and rest == ""
+
+
+def test_gpt_oss_decode_keeps_the_harmony_tokens() -> None:
+    from tracegym.modelfiles.prepare import prepare_model
+
+    tok = ChatTokenizer.from_dir(prepare_model("gptoss-tiny"))
+    ids = tok.encode("<|channel|>final<|message|>Hi<|return|>")
+    assert tok.decode(ids, skip_special_tokens=True) == "<|channel|>final<|message|>Hi"
+    assert tok.decode(ids) == "<|channel|>final<|message|>Hi<|return|>"
+    assert tok.reasoning and 200012 in tok.eos_token_ids

@@ -1,0 +1,123 @@
+"""Conformance of every model family on its tiny model (the family's real tokenizer and template): the
+gateway's rendering of OpenAI-shaped conversations equals transformers' ``apply_chat_template`` of the
+same conversations written as the official template documents them, token for token, over a seeded
+corpus; and every tool call a family's model writes parses back and renders into the next turn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.proxy.prompt import family_corpus as corpus
+from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
+
+MODELS = {"chatml": "tiny-random", "qwen3": "qwen3-tiny", "llama3": "llama3-tiny", "gemma3": "gemma3-tiny",
+          "deepseek_v3": "deepseek3-tiny", "gpt_oss": "gptoss-tiny"}
+CONVERSATIONS = 200
+NAMES = [t["function"]["name"] for t in corpus.TOOLS]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def family(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    from tracegym.modelfiles.prepare import prepare_model
+
+    return request.param, prepare_model(MODELS[request.param])
+
+
+def _ids(hf_out: object) -> list[int]:
+    return list(hf_out["input_ids"] if hasattr(hf_out, "keys") else hf_out)  # type: ignore[index]
+
+
+def _reference(name: str, hf: object, messages: list[dict], tools: list | None) -> list[int]:
+    """transformers' rendering with the model's template. DeepSeek V3's template tells a tool-calling turn by
+    ``content`` being null, a key ``apply_chat_template`` (transformers 5) drops before rendering, which
+    makes the template fail on every such turn; there the template is rendered by transformers' own jinja
+    environment on the messages as given (as SGLang and vLLM pass them), then tokenized by transformers."""
+    if name != "deepseek_v3":
+        return _ids(hf.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True))
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    text = _compile_jinja_template(hf.chat_template).render(
+        messages=messages, tools=tools, add_generation_prompt=True, **hf.special_tokens_map)
+    return list(hf.encode(text, add_special_tokens=False))
+
+
+def test_corpus_renders_token_for_token(family: tuple[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    name, d = family
+    ours, hf = ChatTokenizer.from_dir(d), AutoTokenizer.from_pretrained(d)
+    assert ours.family.name == name
+    f = ours.family
+    mismatches, kinds = [], {"tool_calls": 0, "parallel": 0, "tool_results": 0, "reasoning": 0, "long": 0}
+    for seed in range(CONVERSATIONS):
+        turns, offered = corpus.conversation(seed, parallel=f.parallel_calls, reasoning=f.reasoning is not None,
+                                             tools=True)
+        kinds["tool_calls"] += any(t.calls for t in turns)
+        kinds["parallel"] += any(len(t.calls) > 1 for t in turns)
+        kinds["tool_results"] += any(t.role == "tool" for t in turns)
+        kinds["reasoning"] += any(t.reasoning is not None for t in turns)
+        kinds["long"] += len(turns) >= 12
+        messages, tools = corpus.native(name, turns, offered)
+        expected = _reference(name, hf, messages, tools)
+        got = ours.apply(corpus.openai(turns), tools=corpus.TOOLS if offered else None)
+        if got != expected:
+            mismatches.append(seed)
+    assert mismatches == [], f"{name}: {len(mismatches)} of {CONVERSATIONS} differ, seeds {mismatches[:10]}"
+    assert kinds["tool_calls"] > 40 and kinds["tool_results"] > 40 and kinds["long"] > 10
+    assert kinds["parallel"] > 10 or not f.parallel_calls
+    assert kinds["reasoning"] > 20 or f.reasoning is None
+
+
+def test_sampled_calls_parse_and_render_into_the_next_turn(family: tuple[str, Path]) -> None:
+    """A reply in the family's syntax parses to the calls it names (arguments equal as JSON), and the next
+    turn's render, with those calls in the history, continues the prompt with the reply as the model wrote
+    it (DeepSeek V3's template renders later call turns differently: there the calls must survive)."""
+    import json
+
+    name, d = family
+    ours = ChatTokenizer.from_dir(d)
+    f = ours.family
+    checked = 0
+    for seed in range(60):
+        turns, offered = corpus.conversation(seed, parallel=f.parallel_calls, reasoning=False, tools=True)
+        for i, t in enumerate(turns):
+            if not t.calls:
+                continue
+            text = corpus.sampled(name, "", t.calls)
+            _, rest = f.split_reasoning(text, False)
+            parsed = f.parse_tools(rest, NAMES)
+            assert parsed.status == "ok", (name, text, parsed.status)
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.calls] == [
+                (c.name, c.args) for c in t.calls]
+            history = corpus.openai(turns[:i])
+            reply = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
+            results = [{"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in parsed.calls]
+            prompt = ours.render(history, tools=corpus.TOOLS if offered else None)
+            after = ours.render([*history, reply, *results], tools=corpus.TOOLS if offered else None)
+            if name == "deepseek_v3":  # a later call turn loses its <｜Assistant｜> in the template's render
+                assert all(f"<｜tool▁sep｜>{c.name}\n```json\n" in after for c in t.calls)
+            else:
+                assert after.startswith(prompt), name
+                assert after[len(prompt):].startswith(text), (name, after[len(prompt):][:200], text)
+            checked += 1
+    assert checked > 20
+
+
+def test_malformed_calls_are_never_silent(family: tuple[str, Path]) -> None:
+    """Output that looks like the family's call syntax but does not parse is content with a failed status;
+    a call naming a tool that was not offered fails too."""
+    name, d = family
+    f = ChatTokenizer.from_dir(d).family
+    good = corpus.sampled(name, "", [corpus.Call("c", "add", {"a": 1, "b": 2})])
+    unknown = good.replace("add", "rm_rf")
+    bad_json = good.replace('{"a": 1, "b": 2}', '{"a": 1, "b": ')
+    for text, reason in ((unknown, "unknown tool"), (bad_json, "")):
+        _, rest = f.split_reasoning(text, False)
+        parsed = f.parse_tools(rest, NAMES)
+        assert parsed.status.startswith("failed"), (name, text, parsed.status)
+        assert reason in parsed.status
+        assert parsed.calls == [] and parsed.content
+    plain = f.parse_tools("just words", NAMES)
+    assert plain.status == "none" and plain.content == "just words"

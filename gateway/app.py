@@ -239,9 +239,9 @@ def _swap_coordinator(upstream: Upstream, store: Any) -> Any:
 
 
 def _include_store_routers(app: FastAPI) -> None:
-    from tracegym.gateway.api import control, otlp, trajectories, ui
+    from tracegym.gateway.api import control, imports, otlp, trajectories, ui
 
-    for module in (control, otlp, trajectories):
+    for module in (control, imports, otlp, trajectories):
         app.include_router(module.router)
     ui.install(app)
 

@@ -25,6 +25,7 @@ _TARGETS = {
     "enqueue": "tracegym.queue_commands:enqueue_main",
     "train": "tracegym.trainer.run.loop:main",
     "export": "tracegym.export:main",
+    "import": "tracegym.imports:main",
     "db": "tracegym.gateway.traces.store.migrate:main",
     "models": "tracegym.modelfiles.prepare:main",
 }
@@ -136,15 +137,27 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = _parser(sub, "export", "export trajectories (JSONL) for SFT/DPO")
+    p = _parser(sub, "export", "export trajectories, chat transcripts, preference pairs or a parquet dataset")
     p.add_argument("--gateway", default=None, help="gateway URL (None: $TRACEGYM_GATEWAY)")
-    p.add_argument("--out", required=True, help="the JSONL file to write")
-    p.add_argument("--format", choices=["trajectories", "chat"], default="trajectories",
-                   help="token-level trajectories, or chat transcripts with their rewards")
+    p.add_argument("--out", required=True, help="the file to write (JSONL; parquet for --format hf)")
+    p.add_argument("--format", choices=["trajectories", "chat", "sft", "dpo", "hf"], default="trajectories",
+                   help="token-level trajectories; chat transcripts with their rewards (sft is the same); "
+                        "dpo: a group's best vs worst rollout; hf: a parquet dataset (needs tracegym[datasets])")
     p.add_argument("--status", default="completed", help="rollout status to export")
     p.add_argument("--since", default=None, help="only rollouts created since (ISO-8601 or epoch seconds)")
     p.add_argument("--ids", default=None, help="only these rollouts (comma-separated ids)")
     p.add_argument("--limit", type=int, default=None, help="at most this many rollouts (None: all)")
+
+
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    p = _parser(sub, "import", "import demonstrations, preference pairs or an exported dataset into the store")
+    p.add_argument("file", metavar="FILE", help="JSONL (chat, sft, dpo, trajectories) or parquet (hf)")
+    p.add_argument("--name", required=True, help="the dataset's name: its groups are NAME-import-<line>, "
+                   "which a recipe's sft.runs / dpo.runs select")
+    p.add_argument("--format", choices=["chat", "sft", "dpo", "trajectories", "hf"], default="chat",
+                   help="chat/sft: OpenAI chat JSONL; dpo: prompt/chosen/rejected JSONL; trajectories and hf: "
+                        "tracegym export's token-level forms")
+    p.add_argument("--gateway", default=None, help="gateway URL (None: $TRACEGYM_GATEWAY)")
 
 
 def _add_db(sub: argparse._SubParsersAction) -> None:
@@ -167,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: "
                         "TRACEGYM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_engine, _add_run, _add_train, _add_export, _add_db, _add_models):
+    for add in (_add_serve, _add_engine, _add_run, _add_train, _add_export, _add_import, _add_db, _add_models):
         add(sub)
     return parser
 

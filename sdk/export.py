@@ -2,9 +2,12 @@
 
 - ``--format trajectories``: the lines of ``GET /api/trajectories`` as they come (``tracegym.types.
   Trajectory`` JSON: token ids, loss mask, logprobs, reward), for RL or token-level SFT.
-- ``--format chat``: one ``{"messages", "tools"?, "reward", "rollout_id", "task_id"}`` per rollout, for
-  chat SFT: the request messages of the rollout's last chat call plus the reply it got (from
-  ``GET /api/rollouts/{id}/spans``). Rollouts without a successful chat call are skipped and counted.
+- ``--format chat`` (or ``sft``): one ``{"messages", "tools"?, "reward", "rollout_id", "task_id",
+  "group_id"}`` per rollout, for chat SFT: the request messages of the rollout's last chat call plus the
+  reply it got (from ``GET /api/rollouts/{id}/spans``). Rollouts without a successful chat call are
+  skipped and counted.
+- ``--format dpo``: preference pairs of the rollouts' groups; ``--format hf``: a parquet dataset of the
+  trajectories with their conversations (``tracegym.datasets``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -80,7 +83,36 @@ def iter_chat(
             "reward": r.get("reward"),
             "rollout_id": r["rollout_id"],
             "task_id": r.get("task_id"),
+            "group_id": r.get("group_id"),
         }
+
+
+JSONL_FORMATS = ("trajectories", "chat", "sft", "dpo")
+FORMATS = (*JSONL_FORMATS, "hf")
+
+
+def export_hf(client: GatewayClient, path: Path, *, status: str | None, since: str | None, limit: int | None,
+              ids: list[str] | None, progress: Progress | None = None) -> tuple[int, int]:
+    """The trajectories with their conversations as a parquet dataset (``tracegym.datasets.HF_COLUMNS``);
+    returns (rows written, rollouts without a chat call: their rows have no messages). Calls without
+    logprobs (imported demonstrations, re-tokenized upstreams) are included, their logprobs null."""
+    from tracegym.datasets import hf_rows, write_parquet
+
+    params = {"status": status, "limit": limit, "include_retokenized": "true",
+              **({"ids": ",".join(ids)} if ids else {"since": since})}
+    rows: list[dict[str, Any]] = []
+    no_chat = 0
+    for line in client.iter_lines("/api/trajectories", "export trajectories", params):
+        traj = json.loads(line)
+        chat = chat_example(client.rollout_spans(traj["rollout_id"]))
+        no_chat += chat is None
+        rows += hf_rows(traj, chat)
+        if progress:
+            progress.update(f"exported {len(rows)} sequences")
+    if not rows:
+        raise SystemExit("tracegym export: no trajectory sequence matched: nothing to write")
+    write_parquet(rows, path)
+    return len(rows), no_chat
 
 
 def export(
@@ -96,14 +128,19 @@ def export(
 ) -> tuple[int, int]:
     """Write JSONL to ``out``; returns (lines written, rollouts skipped). ``ids``: only these rollouts
     (``since`` does not apply)."""
-    if fmt not in ("trajectories", "chat"):
-        raise ValueError(f"unknown export format {fmt!r}; expected 'trajectories' or 'chat'")
+    if fmt not in JSONL_FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; expected one of {', '.join(JSONL_FORMATS)}")
     written, skipped = 0, []
     if fmt == "trajectories":
         params = {"status": status, "limit": limit, **({"ids": ",".join(ids)} if ids else {"since": since})}
         lines: Iterator[str] = client.iter_lines("/api/trajectories", "export trajectories", params)
     else:
-        records = iter_chat(client, status=status, since=since, limit=limit, skipped=skipped, ids=ids)
+        records: Iterable[dict[str, Any]] = iter_chat(client, status=status, since=since, limit=limit,
+                                                      skipped=skipped, ids=ids)
+        if fmt == "dpo":
+            from tracegym.datasets import dpo_pairs
+
+            records = dpo_pairs(records)
         lines = (json.dumps(rec, ensure_ascii=False) for rec in records)
     for line in lines:
         out.write(line.rstrip("\n") + "\n")
@@ -121,6 +158,17 @@ def main(args: argparse.Namespace) -> int:
     ids = [i for i in (getattr(args, "ids", None) or "").split(",") if i] or None
     # Rollouts named by --ids are exported whatever their status unless --status is given.
     status = args.status if args.status is not None else (None if ids else "completed")
+    if args.format == "hf":
+        with GatewayClient(config) as client:
+            try:
+                written, skipped = export_hf(client, tmp, status=status or None, since=args.since,
+                                             limit=args.limit, ids=ids, progress=bar)
+            except GatewayError as e:
+                raise SystemExit(f"tracegym export: {e}") from None
+        tmp.replace(out_path)
+        note = f" ({skipped} rollouts without a chat call: no messages)" if skipped else ""
+        bar.close(f"exported {written} sequences (hf format, parquet) to {out_path}{note}")
+        return 0
     with GatewayClient(config) as client, open(tmp, "w", encoding="utf-8") as f:
         try:
             written, skipped = export(

@@ -24,6 +24,7 @@ from tracegym.models import ModelNotFoundError
 from tracegym.trainer.recipe import RecipeError, TrainRecipe, load_recipe, validate_recipe
 from tracegym.trainer.run.build_batch import emitted_means, reward_stats
 from tracegym.trainer.run.gateway_client import TERMINAL, ControlClient, Group
+from tracegym.trainer.run.objective_steps import ObjectiveSteps
 from tracegym.trainer.run.report import (
     MetricSinks,
     StepProgress,
@@ -106,7 +107,7 @@ def _checkpoint_dir(recipe: TrainRecipe, *, resume: bool) -> Path:
     return d
 
 
-class Trainer:
+class Trainer(ObjectiveSteps):
     judge: Any = None
     """The group judge (``tracegym.trainer.run.judge.GroupJudge``) when the recipe has ``reward.judge``."""
 
@@ -248,60 +249,6 @@ class Trainer:
         t0 = time.monotonic()
         self.ctl.wait(groups, timeout=self.r.group_timeout_s, on_poll=self._gen_status())
         return groups, {"gen_s": time.monotonic() - t0}
-
-    def objective(self) -> str:
-        """The objective of the next step (``phases``)."""
-        return self.r.objective_at(self.state.step)
-
-    def offline(self, objective: str) -> bool:
-        """Whether ``objective``'s steps read examples from runs in the store instead of sampling."""
-        return objective in ("sft", "dpo") and bool(getattr(self.r, objective).runs)
-
-    def source_groups(self, objective: str) -> list[tuple[str, list[Trajectory]]]:
-        """The next ``batch_size`` groups (sft: ``batch_size × group_size`` rollouts' worth) of the offline
-        source, cycling; read from the store once per run (``EmptySourceError`` when it has nothing)."""
-        from tracegym.trainer.run.objective_batches import check_source, read_source
-
-        if objective not in self._sources:
-            runs = getattr(self.r, objective).runs
-            lines = self.ctl.client.iter_lines("/api/trajectories", "read the source runs", {"status": "completed"})
-            self._sources[objective] = check_source(objective, read_source(lines, runs), runs, self.r.sft, self.r.dpo)
-            n = sum(len(ts) for _, ts in self._sources[objective])
-            self.progress.message(f"{objective}: {len(self._sources[objective])} groups ({n} rollouts) of runs "
-                                  f"{runs} to train on")
-        src = self._sources[objective]
-        out: list[tuple[str, list[Trajectory]]] = []
-        want = self.r.batch_size * (self.r.group_size if objective == "sft" else 1)
-        while sum(len(ts) for _, ts in out) < want if objective == "sft" else len(out) < want:
-            out.append(src[self.state.source_pos % len(src)])
-            self.state.source_pos += 1
-        return out
-
-    def run_offline_step(self, objective: str) -> dict[str, float]:
-        """One step of an offline objective: no rollouts, examples from the source runs."""
-        t0 = time.monotonic()
-        groups = self.source_groups(objective)
-        return self.train_groups(objective, groups, {"read_s": time.monotonic() - t0})
-
-    def train_groups(self, objective: str, groups: list[tuple[str, list[Trajectory]]],
-                     metrics: dict[str, float]) -> dict[str, float]:
-        """Build ``objective``'s batch from ``groups``, train on it and swap the new weights in."""
-        from tracegym.trainer.run.objective_batches import objective_batch
-
-        batch, stats = objective_batch(
-            objective, groups, advantage=self.r.algorithm.advantage,
-            drop_zero_signal=self.r.algorithm.drop_zero_signal_groups, sft=self.r.sft, dpo=self.r.dpo,
-            lora=getattr(self, "lora", None),
-        )
-        metrics = {**metrics, **stats}
-        if batch is not None:
-            t0 = time.monotonic()
-            metrics.update(self.workers.train_step(batch, objective))
-            metrics["train_s"] = time.monotonic() - t0
-            self.state.weight_version += 1
-            metrics["swap_s"] = self._swap_to_current()
-        self.state.step += 1
-        return metrics
 
     def run_step(
         self, groups: list[Group], info: dict[str, float], fetched: dict[str, Trajectory] | None = None

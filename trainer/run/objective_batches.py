@@ -152,3 +152,28 @@ def check_source(objective: str, groups: Groups, runs: Sequence[str], sft: SftCo
                                f" in the store give a pair (two rewards differing by more than {dpo.min_margin},"
                                " one sequence each, the same prompt tokens); nothing to train on")
     return kept
+
+
+def load_source(client: Any, objective: str, recipe: Any) -> list[tuple[str, list[Trajectory]]]:
+    """The example groups of ``objective``'s source runs (``recipe.sft.runs`` / ``recipe.dpo.runs``) in the
+    store behind ``client`` (a ``GatewayClient``), checked by ``check_source``."""
+    runs = getattr(recipe, objective).runs
+    # imported examples carry no logprobs (the assembly calls them re-tokenized): asked for explicitly
+    lines = client.iter_lines("/api/trajectories", "read the source runs",
+                              {"status": "completed", "include_retokenized": "true"})
+    return check_source(objective, read_source(lines, runs), runs, recipe.sft, recipe.dpo)
+
+
+def take_groups(src: Sequence[tuple[str, list[Trajectory]]], pos: int, objective: str, *, batch_size: int,
+                group_size: int) -> tuple[list[tuple[str, list[Trajectory]]], int]:
+    """The next step's groups of an offline source from position ``pos`` (cycling) and the new position:
+    ``batch_size`` groups (dpo: one pair each), or for sft groups until ``batch_size × group_size``
+    rollouts."""
+    out: list[tuple[str, list[Trajectory]]] = []
+    if objective == "sft":
+        while sum(len(ts) for _, ts in out) < batch_size * group_size:
+            out.append(src[pos % len(src)])
+            pos += 1
+        return out, pos
+    out = [src[(pos + k) % len(src)] for k in range(batch_size)]
+    return out, pos + batch_size

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from tracegym.gateway.traces.store.db import Database, make_engine
 from tracegym.gateway.traces.store.events import EventsMixin
+from tracegym.gateway.traces.store.imports import ImportsMixin
 from tracegym.gateway.traces.store.migrate import upgrade as run_upgrade
 from tracegym.gateway.traces.store.queue import QueueMixin
 from tracegym.gateway.traces.store.rollouts import RolloutsMixin
 from tracegym.gateway.traces.store.spans import SpansMixin
 
 
-class Store(SpansMixin, RolloutsMixin, QueueMixin, EventsMixin):
+class Store(SpansMixin, RolloutsMixin, QueueMixin, EventsMixin, ImportsMixin):
     def __init__(self, db: Database, url: str) -> None:
         self.db = db
         self.url = url

@@ -9,8 +9,9 @@ FastAPI's generated schema is kept, with two corrections applied to every operat
 - an optional query parameter may be empty, which counts as absent (``params.QueryModel``).
 
 and what the front's checks (``proxy/auth.py``) answer: 415 for a request body that is not JSON (OTLP
-ingest aside); with an admin key, 401 and 403 on every route but the open ones, and the two ways to send a
-key as security schemes; with a Host allow-list, 421 everywhere.
+ingest aside); with an admin key, 401, 403 and 429 (too many wrong keys) on every route but the open ones,
+409 on the routes a rollout token writes to (its rollout has ended), and the two ways to send a key as
+security schemes; with a Host allow-list, 421 everywhere.
 
 Every other status a route answers is declared on the route itself (``responses=error_responses(...)``).
 The inference routes, which the ASGI front serves without FastAPI, are added from their declarations
@@ -24,7 +25,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from tracegym.gateway.openai_errors import ErrorBody, error_responses
-from tracegym.gateway.proxy.auth import NO_JSON_RULE, OPEN, classify
+from tracegym.gateway.proxy.auth import AGENT, NO_JSON_RULE, OPEN, classify
 from tracegym.gateway.proxy.inference_openapi import SERVED_MODEL, inference_paths
 
 _FASTAPI_ONLY = ("HTTPValidationError", "ValidationError")
@@ -57,9 +58,13 @@ def _guarded(operation: dict[str, Any], method: str, path: str, guard: Any) -> N
         responses.setdefault("415", _error(415))
     if guard is None:
         return
-    if guard.keyed and classify(method.upper(), path)[0] != OPEN:
+    kind = classify(method.upper(), path)[0] if guard.keyed else OPEN
+    if kind != OPEN:
         responses.setdefault("401", _error(401))
         responses.setdefault("403", _error(403))
+        responses.setdefault("429", _error(429))  # too many wrong keys from this address (proxy/admission.py)
+        if kind == AGENT and method.upper() == "POST":
+            responses.setdefault("409", _error(409))  # a rollout token's write into its ended rollout
         operation["security"] = [{"bearer": []}, {"apiKey": []}]
     if guard.checks_host:
         responses.setdefault("421", _error(421))

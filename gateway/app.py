@@ -168,7 +168,7 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
         if tdir is not None:
             from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
-            tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, tdir)
+            tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, tdir, chat_format=settings.chat_format)
         store, recorder = await asyncio.to_thread(_open_store, settings, injected, registry)
         if tokenizer is not None and upstream.token_native:
             from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache

@@ -37,6 +37,9 @@ class GatewaySettings(BaseSettings):
     tokenizer_path: str | None = None
     """Directory with tokenizer.json/tokenizer_config.json (default: resolved from ``model``, else the
     upstream's ``/model_info`` ``tokenizer_path``)."""
+    chat_format: str | None = None
+    """The model family to render and parse with (``prompt/families``: ``chatml``, ``qwen3``, ``llama3``,
+    ``gemma3``, ``deepseek_v3``, ``gpt_oss``; default: recognised from the tokenizer, docs/model-families.md)."""
     store_url: str | None = "sqlite:///./tracegym.db"
     """SQLAlchemy URL of the trace store; None turns recording (and the control API) off."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)

@@ -14,7 +14,8 @@ real checkpoints have it.
 Reasoning is the ``thinking`` field of an assistant message (``reasoning_content`` is mapped to it). The
 template drops the analysis of every earlier turn except a tool-calling turn that no final answer follows
 yet, and renders one call per assistant message: a message with several calls is rendered as one message
-per call, each followed by its result when the results name them (``tool_call_id``).
+per call, each followed by its result when the results name them (``tool_call_id``). A tool offered
+without a description is given an empty one (the template cannot render it otherwise).
 
 Replies are decoded with the harmony tokens kept (``keep_tokens``) and read by ``split_reasoning``
 (the analysis messages) and ``parse_tools`` (commentary calls; final and commentary text is the content).
@@ -128,6 +129,8 @@ def prepare(messages: list[dict[str, Any]], **kwargs: Any) -> tuple[list[dict[st
             if reasoning is not None:
                 msg["thinking"] = reasoning
         result.append(msg)
+    if tools:  # the template writes "// " + description for every tool: one without gets an empty one
+        tools = [{**t, "function": {"description": "", **t["function"]}} for t in tools]
     return _one_call_each(result), tools
 
 

@@ -20,6 +20,7 @@ from tracegym.trainer.settings import (
     DistillConfig,
     DpoConfig,
     LoraConfig,
+    MlflowConfig,
     OptimConfig,
     PhaseConfig,
     RayConfig,
@@ -106,6 +107,9 @@ class TrainRecipe(_Section):
         False, description="Also write TensorBoard scalars to run_dir/tb (needs `tensorboard`)."
     )
     wandb_project: str | None = Field(None, description="Also log to this W&B project (needs `wandb`).")
+    mlflow: MlflowConfig | None = Field(
+        None, description="Also log to MLflow (`mlflow: {}` = a store file in the run directory)."
+    )
 
     @field_validator("agent")
     @classmethod

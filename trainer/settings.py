@@ -377,3 +377,14 @@ class PhaseConfig(_Section):
     @classmethod
     def _objective(cls, v: str) -> str:
         return _known_objective(v)
+
+
+class MlflowConfig(_Section):
+    """Also log the run to MLflow (needs `mlflow-skinny` or `mlflow`: `pip install 'tracegym[tracking]'`)."""
+
+    tracking_uri: str = Field(
+        "sqlite:///{run_dir}/mlflow.db",
+        description="MLflow tracking URI; `{run_dir}` is substituted. The default is a local store file in the"
+        " run directory (`mlflow ui --backend-store-uri` it); an `http(s)://` URI logs to a tracking server.",
+    )
+    experiment: str = Field("tracegym", description="The MLflow experiment the run is filed under.")

@@ -37,6 +37,7 @@ from tracegym.trainer.run.report import (
 from tracegym.trainer.run.run_dirs import check_run_dir, disk_use, format_disk_use, open_run_dir, resume_dir
 from tracegym.trainer.run.services import Services, start_services
 from tracegym.trainer.run.tasks import split_tasks
+from tracegym.trainer.run.tracking import run_params
 from tracegym.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,8 @@ class Trainer(ObjectiveSteps):
             tensorboard=recipe.tensorboard,
             wandb_project=recipe.wandb_project,
             run_name=self.run_id,
+            mlflow=recipe.mlflow,
+            params=run_params(recipe),
         )
         from tracegym.trainer.weights.disk import DiskWeightSync
         from tracegym.trainer.workers.group import WorkerGroup
@@ -395,6 +398,7 @@ class Trainer(ObjectiveSteps):
         table = summary_table(rows, wall_s=wall_s)
         (self.r.run_dir / "summary.md").write_text(table + "\n")
         self.progress.message("\n" + table + f"\n\nreward curve: {png}")
+        self.sinks.completed = True
         self.sinks.close()
         return {"final": final, "wall_s": wall_s, "run_dir": str(self.r.run_dir)}
 

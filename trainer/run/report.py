@@ -118,7 +118,9 @@ class StepProgress:
 
 
 class MetricSinks:
-    """Fans metrics out to metrics.jsonl, the store (via a callback), TensorBoard and W&B when enabled."""
+    """Fans metrics out to metrics.jsonl, the store (via a callback), TensorBoard, W&B and MLflow when
+    enabled. ``params`` (``tracking.run_params``) go to each tracker once: W&B's config, MLflow's
+    parameters, a TensorBoard text."""
 
     def __init__(
         self,
@@ -128,6 +130,8 @@ class MetricSinks:
         tensorboard: bool = False,
         wandb_project: str | None = None,
         run_name: str = "run",
+        mlflow: Any = None,
+        params: dict[str, str] | None = None,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.run_name = run_name
@@ -137,14 +141,24 @@ class MetricSinks:
         kind logged at the same step (an evaluation after training) is sent merged with the first."""
         self.tb = None
         self.wandb = None
+        self.mlflow = None
+        self.completed = False
+        """Set once the run finished: ``close`` then ends the tracker runs as finished, not failed."""
+        params = params or {}
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
 
             self.tb = SummaryWriter(str(run_dir / "tb"))
+            if params:
+                self.tb.add_text("params", "\n".join(f"    {k}: {v}" for k, v in sorted(params.items())), 0)
         if wandb_project:
             import wandb
 
-            self.wandb = wandb.init(project=wandb_project, name=run_name, dir=str(run_dir))
+            self.wandb = wandb.init(project=wandb_project, name=run_name, dir=str(run_dir), config=params)
+        if mlflow is not None:  # a ``settings.MlflowConfig``
+            from tracegym.trainer.run.tracking import MlflowSink
+
+            self.mlflow = MlflowSink(mlflow, run_dir, run_name, params)
 
     def log(self, step: int, metrics: dict[str, Any], *, kind: str = "train") -> None:
         row = {"step": step, "kind": kind, "time": time.time(), "run": self.run_name, **metrics}
@@ -161,16 +175,25 @@ class MetricSinks:
                 self.tb.add_scalar(k, v, step)
         if self.wandb:
             self.wandb.log(numeric, step=step)
+        if self.mlflow:
+            self.mlflow.log(step, numeric)
 
-    def close(self) -> None:
-        """Flush and close TensorBoard and W&B (safe to call twice)."""
-        tb, wb, self.tb, self.wandb = self.tb, self.wandb, None, None
+    def close(self, *, finished: bool | None = None) -> None:
+        """Flush and close TensorBoard, W&B and MLflow (safe to call twice). The tracker runs end as
+        finished when ``finished`` (default: ``completed``, which the trainer sets once the run is done),
+        else as failed."""
+        finished = self.completed if finished is None else finished
+        tb, wb, ml, self.tb, self.wandb, self.mlflow = self.tb, self.wandb, self.mlflow, None, None, None
         try:
             if tb:
                 tb.close()
         finally:
-            if wb:
-                wb.finish()
+            try:
+                if wb:
+                    wb.finish(exit_code=0 if finished else 1)
+            finally:
+                if ml:
+                    ml.close(finished=finished)
 
 
 def read_metrics(path: Path, *, run: str | None = None) -> list[dict[str, Any]]:

@@ -212,12 +212,33 @@ def _load(command: str) -> Callable[[argparse.Namespace], int | None]:
     return getattr(mod, func)
 
 
+def _model_arg(args: argparse.Namespace) -> str | None:
+    """The model name a command is about to load, if it loads one (``serve`` only for its embedded engine:
+    with ``--upstream`` its ``--model`` may be any served name)."""
+    if args.command == "engine" or (args.command == "serve" and args.engine == "embedded"):
+        return args.model
+    if args.command == "models" and args.action == "prepare":
+        return args.name
+    return None
+
+
+def _check_model_first(args: argparse.Namespace) -> None:
+    """A model name that cannot name a model fails here, with a "did you mean", before the command's
+    implementation (and torch) is imported; the implementations check again for their other callers."""
+    name = _model_arg(args)
+    if name:
+        from tracegym.models import check_model_name
+
+        check_model_name(name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand. A ``UserError`` (or a ``SystemExit`` with a message) is printed as its one or
     two lines on stderr and exits with code 2; ``--debug`` prints the traceback above it."""
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("TRACEGYM_DEBUG", "").lower() in ("1", "true", "yes", "on")
     try:
+        _check_model_first(args)
         rc = _load(args.command)(args)
     except UserError as e:
         return _user_error(e, f"tracegym {args.command}: {e}", debug)

@@ -42,7 +42,9 @@ class GatewayError(RuntimeError):
 
 
 class GatewayUnreachableError(GatewayError):
-    """The gateway did not answer successfully within the retry budget."""
+    """The gateway did not answer successfully within the retry budget; ``last`` is the last try's error."""
+
+    last: str = ""
 
 
 class LeaseLostError(GatewayError):
@@ -254,12 +256,14 @@ class _Tries:
 
 
 def _give_up(cfg: SDKConfig, what: str, last: str) -> GatewayUnreachableError:
-    total = sum(cfg.retry.delays())
-    return GatewayUnreachableError(
-        f"{what}: the tracegym gateway at {cfg.gateway_url} did not answer after {cfg.retry.attempts} "
-        f"attempts over ~{total:.1f}s (last error: {last}). Is `tracegym serve` running there? Set the "
-        "URL with tg.configure(gateway_url=...) or $TRACEGYM_GATEWAY."
+    tries = cfg.retry.attempts
+    spent = f" after {tries} attempts over ~{sum(cfg.retry.delays()):.1f}s" if tries > 1 else ""
+    error = GatewayUnreachableError(
+        f"{what}: the tracegym gateway at {cfg.gateway_url} did not answer{spent} (last error: {last}). Is "
+        "`tracegym serve` running there? Set the URL with tg.configure(gateway_url=...) or $TRACEGYM_GATEWAY."
     )
+    error.last = last
+    return error
 
 
 class GatewayClient:

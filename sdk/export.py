@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from tracegym.client import GatewayClient, GatewayError, config_for
+from tracegym.client import GatewayClient, GatewayError, GatewayUnreachableError
 from tracegym.progress import Progress
 
 REQUEST_ATTR = "tracegym.request"
@@ -151,39 +151,53 @@ def export(
 
 
 def main(args: argparse.Namespace) -> int:
-    config = config_for(args.gateway)
+    """``tracegym export``. The gateway is looked at before any file is opened; the output is written to
+    ``OUT.part`` and renamed when complete (a gateway lost half-way leaves the lines written so far there,
+    and no ``.part`` file when there were none)."""
+    from tracegym.cli_gateway import check_gateway, lost_gateway
+    from tracegym.queue_commands import gateway_config
+
+    config = gateway_config(args.gateway)
+    check_gateway(config.gateway_url, args.gateway)
     out_path = Path(args.out)
     tmp = out_path.with_name(out_path.name + ".part")
     bar = Progress(sys.stderr, interval=5.0)
     ids = [i for i in (getattr(args, "ids", None) or "").split(",") if i] or None
     # Rollouts named by --ids are exported whatever their status unless --status is given.
     status = args.status if args.status is not None else (None if ids else "completed")
-    if args.format == "hf":
-        with GatewayClient(config) as client:
-            try:
+    try:
+        if args.format == "hf":
+            with GatewayClient(config) as client:
                 written, skipped = export_hf(client, tmp, status=status or None, since=args.since,
                                              limit=args.limit, ids=ids, progress=bar)
-            except GatewayError as e:
-                raise SystemExit(f"tracegym export: {e}") from None
-        tmp.replace(out_path)
-        note = f" ({skipped} rollouts without a chat call: no messages)" if skipped else ""
-        bar.close(f"exported {written} sequences (hf format, parquet) to {out_path}{note}")
-        return 0
-    with GatewayClient(config) as client, open(tmp, "w", encoding="utf-8") as f:
-        try:
-            written, skipped = export(
-                client,
-                f,
-                fmt=args.format,
-                ids=ids,
-                status=status or None,
-                since=args.since,
-                limit=args.limit,
-                progress=bar,
-            )
-        except GatewayError as e:
-            raise SystemExit(f"tracegym export: {e} (partial output left in {tmp})") from None
+            summary = f"exported {written} sequences (hf format, parquet) to {out_path}"
+            note = f" ({skipped} rollouts without a chat call: no messages)" if skipped else ""
+        else:
+            with GatewayClient(config) as client, open(tmp, "w", encoding="utf-8") as f:
+                written, skipped = export(client, f, fmt=args.format, ids=ids, status=status or None,
+                                          since=args.since, limit=args.limit, progress=bar)
+            summary = f"exported {written} records ({args.format} format) to {out_path}"
+            note = f" ({skipped} rollouts without a chat call skipped)" if skipped else ""
+    except GatewayError as e:
+        kept = _drop_if_empty(tmp)
+        partial = f" (partial output left in {tmp})" if kept else ""
+        if isinstance(e, GatewayUnreachableError):
+            raise lost_gateway("the export" + partial, config.gateway_url, e, args.gateway) from None
+        raise SystemExit(f"tracegym export: {e}{partial}") from None
+    except BaseException:
+        _drop_if_empty(tmp)
+        raise
     tmp.replace(out_path)
-    note = f" ({skipped} rollouts without a chat call skipped)" if skipped else ""
-    bar.close(f"exported {written} records ({args.format} format) to {out_path}{note}")
+    bar.close(summary + note)
     return 0
+
+
+def _drop_if_empty(path: Path) -> bool:
+    """Remove ``path`` if it holds nothing; whether a (non-empty) file is left there."""
+    try:
+        if path.stat().st_size > 0:
+            return True
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    return False

@@ -15,6 +15,7 @@ Anything else is a local directory or a hub id (``org/name``), prepared into ``<
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -45,7 +46,18 @@ def check_model_name(name: str) -> None:
         return
     if p.exists() or name.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"model {name!r}: {p.resolve()} is not a directory")
-    raise ModelNotFoundError(f"unknown model {name!r}: not a known name, a local directory ({p.resolve()}) or a hub id")
+    guess = did_you_mean(name)
+    hint = f"did you mean {guess!r}? " if guess else ""
+    raise ModelNotFoundError(f"unknown model {name!r}: {hint}not a known name, a local directory ({p.resolve()}) "
+                             "or a hub id")
+
+
+def did_you_mean(name: str) -> str | None:
+    """The known name closest to ``name`` (spelling, case, ``_`` for ``-``), if one is close."""
+    key = name.lower().replace("_", "-")
+    by_key = {k.lower(): k for k in KNOWN_MODELS}
+    close = difflib.get_close_matches(key, list(by_key), n=1, cutoff=0.6)
+    return by_key[close[0]] if close else None
 
 
 def list_models() -> list[tuple[str, str]]:

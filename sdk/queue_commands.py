@@ -12,10 +12,9 @@ import signal
 import sys
 from typing import Any
 
-import httpx
-
 from tracegym.agent import Agent, load_target
-from tracegym.client import GatewayClient, GatewayError, config_for
+from tracegym.cli_gateway import check_gateway, lost_gateway
+from tracegym.client import GatewayClient, GatewayError, GatewayUnreachableError, SDKConfig, config_for
 from tracegym.errors import UserError
 from tracegym.progress import RunStats
 from tracegym.runner import Runner
@@ -46,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:  # a bad --gateway URL, --concurrency or --lease-seconds
         raise UserError(str(e), "see tracegym run --help") from None
     if not args.follow:  # a worker that follows the queue may start before its gateway
-        _check_gateway(runner.config.gateway_url if runner.config else "")
+        check_gateway(runner.config.gateway_url if runner.config else "", args.gateway)
     try:
         stats, stopped = asyncio.run(_run_until_signalled(runner))
     except GatewayError as e:  # unreachable, or a 4xx from the queue: the message says which
@@ -125,15 +124,6 @@ def load_task_file(path: str) -> list[dict[str, Any]]:
     return tasks
 
 
-def _check_gateway(url: str) -> None:
-    """One quick look at ``/healthz``, so a wrong URL fails in a second, not after the client's retries."""
-    try:
-        httpx.get(url + "/healthz", timeout=5)
-    except httpx.TransportError as e:
-        raise UserError(f"no tracegym gateway answers at {url} ({type(e).__name__})",
-                        "start one (tracegym serve ...), or pass its URL with --gateway or $TRACEGYM_GATEWAY") from None
-
-
 def _quiet_third_party_loggers() -> None:
     """Agent frameworks log at INFO what a runner's console should not show: a line per HTTP request
     (httpx), every AutoGen message as a multi-KB event (autogen_core.events). Warnings still show."""
@@ -142,10 +132,19 @@ def _quiet_third_party_loggers() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def gateway_config(gateway: str | None) -> SDKConfig:
+    """``config_for(gateway)``, with a malformed ``--gateway`` URL as a ``UserError``."""
+    try:
+        return config_for(gateway)
+    except ValueError as e:
+        raise UserError(str(e), "pass --gateway http://HOST:PORT (or set $TRACEGYM_GATEWAY)") from None
+
+
 def enqueue_main(args: argparse.Namespace) -> int:
     """``tracegym enqueue``."""
     tasks = load_task_file(args.dataset)
-    config = config_for(args.gateway)
+    config = gateway_config(args.gateway)
+    check_gateway(config.gateway_url, args.gateway)
     n_rollouts = 0
     with GatewayClient(config) as client:
         for i in range(0, len(tasks), ENQUEUE_BATCH):
@@ -153,6 +152,9 @@ def enqueue_main(args: argparse.Namespace) -> int:
                 out = client.enqueue_tasks(
                     tasks[i : i + ENQUEUE_BATCH], group_size=args.group_size, max_attempts=args.max_attempts
                 )
+            except GatewayUnreachableError as e:
+                raise lost_gateway(f"the enqueue ({i} of {len(tasks)} tasks enqueued)", config.gateway_url, e,
+                                   args.gateway) from None
             except GatewayError as e:
                 raise SystemExit(f"tracegym enqueue: {e} ({i} of {len(tasks)} tasks enqueued)") from None
             n_rollouts += sum(len(t["rollout_ids"]) for t in out)

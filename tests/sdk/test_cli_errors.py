@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,7 +48,28 @@ def test_serve_wrong_model_lists_the_known_names() -> None:
 
 
 def test_models_prepare_wrong_name() -> None:
-    assert_user_error(tracegym("models", "prepare", "no-such-model"), "'no-such-model' not found", "tiny-random")
+    assert_user_error(tracegym("models", "prepare", "no-such-model"), "unknown model 'no-such-model'", "tiny-random")
+
+
+@pytest.mark.parametrize("args", [["engine", "--model", "smollm-135m"], ["models", "prepare", "smollm-135m"],
+                                  ["serve", "--engine", "embedded", "--model", "smollm-135m"]])
+def test_misspelt_model_is_reported_fast_before_torch(args: list[str]) -> None:
+    """Checked before the command's implementation is imported: no torch, a "did you mean", within 5 s."""
+    code = ("import sys\nfrom tracegym.cli import main\nrc = main(sys.argv[1:])\n"
+            "assert 'torch' not in sys.modules\nsys.exit(rc)")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRACEGYM_DEBUG": ""})
+    took = time.monotonic() - t0
+    assert_user_error(res, "unknown model 'smollm-135m': did you mean 'smollm2-135m'?")
+    assert took < 5, took
+
+
+def test_did_you_mean() -> None:
+    from tracegym.models import did_you_mean
+
+    assert did_you_mean("SmolLM2-135M") == "smollm2-135m" and did_you_mean("tiny_random") == "tiny-random"
+    assert did_you_mean("qwen3") == "qwen3-tiny" and did_you_mean("gpt-4o") is None
 
 
 def test_serve_port_in_use(busy_port: int, tmp_path: Path) -> None:
@@ -60,8 +82,11 @@ def test_unreachable_postgresql(tmp_path: Path) -> None:
     url = f"postgresql+psycopg://postgres:secret@127.0.0.1:{free_port()}/tracegym"
     for res in (tracegym("serve", "--upstream", "http://127.0.0.1:9", "--port", str(free_port()), "--store", url),
                 tracegym("db", "upgrade", "--store", url)):
-        assert_user_error(res, "cannot reach PostgreSQL at 127.0.0.1", "start PostgreSQL")
         assert "secret" not in res.stderr
+        # serve warns first that a password on the command line shows in the process list
+        warning = [line for line in res.stderr.splitlines() if "--store carries the store's password" in line]
+        res.stderr = "".join(line + "\n" for line in res.stderr.splitlines() if line not in warning)
+        assert_user_error(res, "cannot reach PostgreSQL at 127.0.0.1", "start PostgreSQL")
 
 
 @pytest.mark.pg

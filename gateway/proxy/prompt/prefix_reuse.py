@@ -329,7 +329,13 @@ class PrefixCache:
         )
         trailer = self._assistant_trailer()
         if trailer is None or not text.startswith(rendered) or not rendered.endswith(trailer):
-            return self._realign_by_probe(choice, text, messages, n, tools, tool_choice, kwargs, reused)
+            probed = self._realign_by_probe(choice, text, messages, n, tools, tool_choice, kwargs, reused)
+            if probed is None and text.startswith(rendered):
+                # the probe cannot stand for this reply (a template whose later turns depend on it being a
+                # call: DeepSeek V3's first-call flag, harmony's tool-result names), but the parent
+                # conversation re-renders as the head of this one: what follows it is the new part
+                return reused + self.tok.encode(text[len(rendered):]), "realigned"
+            return probed
         end = len(rendered) - len(trailer)
         if choice.stop_text and trailer.startswith(choice.stop_text):
             end += len(choice.stop_text)  # the sampled stop token covers the template's end-of-turn token

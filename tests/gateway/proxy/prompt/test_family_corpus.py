@@ -121,3 +121,17 @@ def test_malformed_calls_are_never_silent(family: tuple[str, Path]) -> None:
         assert parsed.calls == [] and parsed.content
     plain = f.parse_tools("just words", NAMES)
     assert plain.status == "none" and plain.content == "just words"
+
+
+def test_rollouts_keep_the_sampled_ids(family: tuple[str, Path]) -> None:
+    """Corpus conversations played as rollouts (``benchmarks/drift.py``): every call's prompt starts with
+    the previous call's prompt + sampled ids, whatever the family's template does to history."""
+    from benchmarks.drift import play
+    from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
+
+    name, d = family
+    tok = ChatTokenizer.from_dir(d)
+    cache = PrefixCache(tok)
+    totals = [play(tok, seed, cache)[:3] for seed in range(40)]
+    calls, _, wrong = (sum(t[i] for t in totals) for i in range(3))
+    assert calls > 100 and wrong == 0, name

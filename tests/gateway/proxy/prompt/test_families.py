@@ -103,3 +103,18 @@ def test_gpt_oss_decode_keeps_the_harmony_tokens() -> None:
     assert tok.decode(ids, skip_special_tokens=True) == "<|channel|>final<|message|>Hi"
     assert tok.decode(ids) == "<|channel|>final<|message|>Hi<|return|>"
     assert tok.reasoning and 200012 in tok.eos_token_ids
+
+
+def test_templates_that_raise_are_render_errors() -> None:
+    from tracegym.gateway.proxy.prompt.templating import TemplateRenderError
+    from tracegym.modelfiles.prepare import prepare_model
+
+    gemma = ChatTokenizer.from_dir(prepare_model("gemma3-tiny"))
+    with pytest.raises(TemplateRenderError, match="roles must alternate"):
+        gemma.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    oss = ChatTokenizer.from_dir(prepare_model("gptoss-tiny"))
+    with pytest.raises(TemplateRenderError, match="no previous assistant message with a tool call"):
+        oss.render([{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "x", "content": "5"}])
+    llama = ChatTokenizer.from_dir(prepare_model("llama3-tiny"))
+    with pytest.raises(TemplateRenderError, match="no first user message"):
+        llama.render([{"role": "system", "content": "s"}], tools=corpus.TOOLS)

@@ -100,6 +100,32 @@ def test_dpo_online_and_offline_from_an_earlier_run(tmp_path: Path, tiny_model_d
 
 
 @pytest.mark.slow
+def test_sft_on_imported_demonstrations(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Chat demonstrations imported into a store (tracegym import through a gateway on it), then a run on
+    that store trains sft on them offline: no rollout is sampled for training, the loss falls."""
+    from tests.gateway.app_support import ServerThread
+    from tracegym.cli import main as cli
+    from tracegym.gateway.app import create_app
+    from tracegym.gateway.settings import GatewaySettings
+
+    store = f"sqlite:///{tmp_path / 'shared.db'}"
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}"},
+                                                      {"role": "assistant", "content": f"{i} {i} {i}"}]}) + "\n"
+                             for i in range(6)))
+    settings = GatewaySettings(upstream_url="http://127.0.0.1:9", model=str(tiny_model_dir), store_url=store)
+    with ServerThread(create_app(settings)) as srv:
+        assert cli(["import", str(demos), "--name", "demos", "--gateway", srv.url]) == 0
+    _ok(_train(_recipe(tmp_path, "sftdemo", steps=3, store=store, objective="sft", batch_size=3, group_size=2,
+                       sft={"runs": ["demos"]}, optim={"lr": 1e-2, "dtype": "float32"})))
+    rows = _train_rows(tmp_path / "sftdemo")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert "gen_s" not in r and r["sft_rollouts"] == 6 and r["swap_s"] > 0  # every demo, every step
+    assert rows[-1]["sft_loss"] < rows[0]["sft_loss"], [r["sft_loss"] for r in rows]
+
+
+@pytest.mark.slow
 def test_distill_from_a_teacher(tmp_path: Path, tiny_model_dir: Path) -> None:
     _ok(_train(_recipe(tmp_path, "distill", steps=2, objective="distill",
                        distill={"teacher": "tiny-random", "reward_weight": 0.5})))

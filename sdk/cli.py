@@ -12,6 +12,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 from tracegym.errors import USAGE_EXIT_CODE, UserError
+from tracegym.progress import quiet_progress_bars
 
 DESCRIPTION = """tracegym turns an agent's LLM traffic into reinforcement learning: point the agent's base_url
 at the gateway (tracegym serve), run it over queued tasks (tracegym run), and train on the recorded,
@@ -236,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand. A ``UserError`` (or a ``SystemExit`` with a message) is printed as its one or
     two lines on stderr and exits with code 2; ``--debug`` prints the traceback above it."""
     args = build_parser().parse_args(argv)
+    quiet_progress_bars(sys.stderr)  # before any command imports transformers; children inherit it
     debug = args.debug or os.environ.get("TRACEGYM_DEBUG", "").lower() in ("1", "true", "yes", "on")
     try:
         _check_model_first(args)

@@ -1,11 +1,33 @@
-"""Counters of a run and the progress line the runner and the exporter print on stderr."""
+"""Counters of a run and the progress line the runner and the exporter print on stderr; third-party
+progress bars kept out of files and logs (``quiet_progress_bars``)."""
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TextIO
+
+PROGRESS_BAR_SWITCHES = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+"""The environment that turns off the tqdm bars of transformers ("Loading weights"), huggingface_hub and
+datasets (read when they are imported), and of any other tqdm (``TQDM_DISABLE``, tqdm >= 4.66)."""
+
+
+def quiet_progress_bars(stream: TextIO, environ: MutableMapping[str, str] | None = None) -> bool:
+    """Turn third-party progress bars off for this process and the processes it starts, unless ``stream``
+    (where they would be drawn: stderr) is a terminal: in a file or a log every redraw is a line of noise.
+    A value the user set is kept. Call it before transformers is imported; returns whether they are off."""
+    env = os.environ if environ is None else environ
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # a closed or odd stream: no terminal
+        tty = False
+    if tty:
+        return False
+    for name, value in PROGRESS_BAR_SWITCHES.items():
+        env.setdefault(name, value)
+    return True
 
 
 @dataclass

@@ -140,7 +140,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 def _add_export(sub: argparse._SubParsersAction) -> None:
     p = _parser(sub, "export", "export trajectories, chat transcripts, preference pairs or a parquet dataset")
     p.add_argument("--gateway", default=None, help="gateway URL (None: $TRACEGYM_GATEWAY)")
-    p.add_argument("--out", required=True, help="the file to write (JSONL; parquet for --format hf)")
+    p.add_argument("--out", required=True, help="the file to write (JSONL; parquet for --format hf); missing folders are made")
     p.add_argument("--format", choices=["trajectories", "chat", "sft", "dpo", "hf"], default="trajectories",
                    help="token-level trajectories; chat transcripts with their rewards (sft is the same); "
                         "dpo: a group's best vs worst rollout; hf: a parquet dataset (needs tracegym[datasets])")

@@ -161,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
     check_gateway(config.gateway_url, args.gateway)
     out_path = Path(args.out)
     tmp = out_path.with_name(out_path.name + ".part")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     bar = Progress(sys.stderr, interval=5.0)
     ids = [i for i in (getattr(args, "ids", None) or "").split(",") if i] or None
     # Rollouts named by --ids are exported whatever their status unless --status is given.

@@ -43,7 +43,14 @@ EXPENSIVE = {
     "tracegym serve --engine embedded --model smollm2-135m --store postgresql": "needs PostgreSQL and smollm2-135m",
     "createdb": "needs a PostgreSQL server (the store's tests run against one: tests/conftest.py pg_url)",
     "tracegym db upgrade --store postgresql": "needs a PostgreSQL server; its errors: tests/sdk/test_cli_errors.py",
-    "docker compose": "needs Docker (tests/test_compose.py checks the files and their commands)",
+    "bash scripts/docker_images.sh": "builds the images for minutes (run before the container tests by "
+    "tests/e2e/compose_support.py and by .ci/run)",
+    "export TRACEGYM_ADMIN_KEY": "sets the key compose needs (tests/test_compose.py: refused without it)",
+    "export TRACEGYM_POSTGRES_IMAGE": "names the image scripts/docker_images.sh built (tests/e2e/compose_support.py)",
+    "docker-compose": "needs Docker and trains for minutes (tests/e2e/test_compose_stack.py and "
+    "tests/e2e/test_ray_containers.py, slow; tests/test_compose.py checks the files and their commands)",
+    "kubectl apply -f deploy/kuberay/raycluster.yaml": "needs a Kubernetes cluster with KubeRay (the manifest: "
+    "tests/test_compose.py)",
     "kubectl exec": "needs a Kubernetes cluster with KubeRay (joining a running Ray cluster: "
     "tests/e2e/test_train_ray.py, slow)",
     "tracegym enqueue examples/": "the examples table: each framework example runs against tiny-random in "
@@ -222,4 +229,8 @@ def test_serve_enqueue_run_export_as_written(tiny_model_dir: Path, tmp_path: Pat
             outs.append(res)
     assert "enqueued 3 tasks, 12 rollouts" in outs[0].stdout
     assert "queue drained: 12 rollouts done" in outs[1].stderr, outs[1].stderr[-2000:]
-    assert len((tmp_path / "sft.jsonl").read_text().splitlines()) > 0
+    out = export[export.index("--out") + 1]
+    assert len((tmp_path / out).read_text().splitlines()) > 0
+    # run from a clone, the file lands where git does not see it
+    ignored = subprocess.run(["git", "check-ignore", "-q", out], cwd=ROOT)
+    assert ignored.returncode == 0, f"the README's export writes {out}, which git would show as untracked"

@@ -65,6 +65,19 @@ def test_misspelt_model_is_reported_fast_before_torch(args: list[str]) -> None:
     assert took < 5, took
 
 
+def test_misspelt_model_in_a_recipe_is_reported_fast_before_torch(tmp_path: Path) -> None:
+    (tmp_path / "tasks.jsonl").write_text('{"input": 1}\n')
+    (tmp_path / "recipe.yaml").write_text('name: t\nmodel: tiny_random\ndata: {path: tasks.jsonl}\n'
+                                          'agent: {target: "agent:agent"}\n')
+    code = ("import sys\nfrom tracegym.cli import main\nrc = main(sys.argv[1:])\n"
+            "assert 'torch' not in sys.modules\nsys.exit(rc)")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code, "train", "recipe.yaml"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRACEGYM_DEBUG": ""})
+    assert_user_error(res, "unknown model 'tiny_random': did you mean 'tiny-random'?")
+    assert time.monotonic() - t0 < 5
+
+
 def test_did_you_mean() -> None:
     from tracegym.models import did_you_mean
 

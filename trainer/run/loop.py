@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from tracegym.models import ModelNotFoundError
+from tracegym.models import ModelNotFoundError, check_model_name
 from tracegym.trainer.recipe import RecipeError, TrainRecipe, load_recipe, validate_recipe
 from tracegym.trainer.run.build_batch import emitted_means, reward_stats
 from tracegym.trainer.run.gateway_client import TERMINAL, ControlClient, Group
@@ -426,6 +426,7 @@ def train(
     from tracegym.modelfiles.prepare import prepare_model
 
     assert recipe.run_dir is not None, "load_recipe resolves run_dir"
+    check_model_name(recipe.model)  # a misspelt name fails with a "did you mean" before torch is imported
     train_cfg = check_recipe(recipe)
     tasks = split_tasks(recipe)
     check_run_dir(recipe.run_dir, resume=resume, overwrite=overwrite)

@@ -57,6 +57,23 @@ def eta_seconds(
     return sum(recent) / len(recent) * steps_left + (eval_s or 0.0) * evals
 
 
+def skipped_reason(metrics: dict[str, Any]) -> str | None:
+    """Why a step did not train (its metrics have no ``train_s``: no update and no weight swap), or None
+    when it trained. Read from the batch statistics the step logged."""
+    if "train_s" in metrics or "loss" in metrics:
+        return None
+    rollouts = int(metrics.get("rollouts", 0))
+    if not rollouts:
+        return "no completed rollouts"
+    if "pairs" in metrics:
+        return f"no preference pair: no group's rewards differ enough ({rollouts} rollouts)"
+    if "sft_rollouts" in metrics and not metrics["sft_rollouts"]:
+        return f"no example: none of the {rollouts} rollouts passes sft.min_reward"
+    if metrics.get("groups_used") == 0:
+        return f"no reward variance: every group's rollouts got equal rewards ({rollouts} rollouts)"
+    return f"no sampled tokens to train on ({rollouts} rollouts)"
+
+
 class StepProgress:
     """One line per step: ``step 12/60 | reward 0.41 | loss ... | eta 3m05s``, and a live line while
     rollouts run (``live``): redrawn in place on a TTY, otherwise printed at most every ``interval``
@@ -104,6 +121,8 @@ class StepProgress:
         if isinstance(metrics.get("step_s"), int | float):
             self.step_s.append(float(metrics["step_s"]))
         parts = [f"step {step}/{self.total}"]
+        if (why := skipped_reason(metrics)) is not None:
+            parts.append(f"skipped: {why}")
         parts += [f"{k} {_fmt(metrics[k])}" for k in SHOWN if k in metrics]
         parts.append(f"eta {self.eta(step)}")
         self._live.print(" | ".join(parts))

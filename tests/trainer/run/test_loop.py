@@ -18,7 +18,7 @@ from tracegym.trainer.recipe import RecipeError, load_recipe
 from tracegym.trainer.run import loop
 from tracegym.trainer.run import tasks as datasets
 from tracegym.trainer.run.gateway_client import Group
-from tracegym.trainer.run.report import StepProgress
+from tracegym.trainer.run.report import StepProgress, skipped_reason
 from tracegym.types import Sequence, Trajectory
 
 
@@ -265,6 +265,9 @@ def test_async_step_fetches_each_trajectory_once(tmp_path: Path) -> None:
     assert len(ctl.fetches) == 1 and sorted(ctl.fetches[0]) == ["a1", "a2", "b1", "b2"]
     # only the fresh group's trajectories count: nothing was dropped, and the stale ones are not trained on
     assert metrics["dropped_rollouts"] == 0 and metrics["rollouts"] == 2 and metrics["reward_mean"] == 1.0
+    # no update: the step's line says so rather than reading like a step that trained
+    assert "train_s" not in metrics
+    assert (skipped_reason(metrics) or "").startswith("no reward variance: every group's rollouts got equal")
 
 
 # ------------------------------------------------------------------------------------------- cleanup

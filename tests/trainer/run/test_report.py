@@ -14,6 +14,7 @@ from tracegym.trainer.run.report import (
     fmt_duration,
     live_label,
     read_metrics,
+    skipped_reason,
     summary_table,
 )
 
@@ -95,3 +96,20 @@ def test_summary_reads_only_its_own_run_once_per_step(tmp_path: Path) -> None:
     assert own[2]["reward_mean"] == 0.4
     table = summary_table(own, wall_s=10)
     assert "| eval reward before (step 0) | 0.141 |" in table and "| mean gen_s per step | 2.00 |" in table
+
+
+def test_a_step_that_did_not_train_says_so() -> None:
+    out = io.StringIO()
+    p = StepProgress(36, out=out, clock=Clock())
+    equal = {"reward_mean": 0.0, "pass_rate": 0.0, "rollouts": 32.0, "groups_used": 0.0, "gen_s": 3.0,
+             "step_s": 3.0}
+    p.step(4, equal)
+    assert out.getvalue().splitlines()[-1].startswith(
+        "step 4/36 | skipped: no reward variance: every group's rollouts got equal rewards (32 rollouts) | "
+        "reward_mean 0 | pass_rate 0 | eta")
+    p.step(5, {"reward_mean": 0.5, "rollouts": 32.0, "groups_used": 3.0, "loss": 0.1, "train_s": 2.0, "step_s": 6.0})
+    assert "skipped" not in out.getvalue().splitlines()[-1]
+    assert skipped_reason({"rollouts": 0.0, "groups_used": 0.0}) == "no completed rollouts"
+    assert skipped_reason({"rollouts": 8.0, "pairs": 0.0}).startswith("no preference pair")
+    assert skipped_reason({"rollouts": 8.0, "sft_rollouts": 0.0, "sequences": 0.0}).startswith("no example")
+    assert skipped_reason({"rollouts": 8.0, "groups_used": 2.0, "sequences": 0.0}).startswith("no sampled tokens")

@@ -100,6 +100,19 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     'seed': 0,
     'tensorboard': False,
     'wandb_project': None,
+    'objective': 'grpo',
+    'phases': None,
+    'sft.runs': [],
+    'sft.min_reward': None,
+    'dpo.runs': [],
+    'dpo.beta': 0.1,
+    'dpo.min_margin': 0.0,
+    'distill': None,
+    'distill.teacher': REQUIRED,
+    'distill.reward_weight': 0.0,
+    'mlflow': None,
+    'mlflow.tracking_uri': 'sqlite:///{run_dir}/mlflow.db',
+    'mlflow.experiment': 'tracegym',
 }
 """Every recipe key → its default (``REQUIRED``: no default; an optional section's own row: None = absent)."""
 

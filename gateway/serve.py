@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any
 
+from tracegym.errors import UserError
 from tracegym.gateway.serve_checks import StartupFailure, preflight, start_embedded
 from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
 
@@ -120,8 +121,55 @@ def _check_args(args: argparse.Namespace) -> None:
             raise SystemExit("tracegym serve: --engine embedded needs --model NAME")
         if getattr(args, "engines", 1) < 1:
             raise SystemExit("tracegym serve: --engines must be at least 1")
-    elif not args.upstream and args.upstream_kind != "litellm":
-        raise SystemExit("tracegym serve: pass --upstream URL (or --engine embedded --model NAME)")
+    elif not args.upstream and args.upstream_kind != "litellm" and not browsing(args):
+        raise SystemExit("tracegym serve: pass --upstream URL (or --engine embedded --model NAME), or --store URL "
+                         "alone to browse a store in the trace inspector")
+
+
+def browsing(args: argparse.Namespace) -> bool:
+    """``serve --store URL`` with no upstream: the trace inspector over that store, read-only (``browse``)."""
+    return (args.engine is None and not args.upstream and args.upstream_kind != "litellm"
+            and getattr(args, "store", None) not in (None, "", "none"))
+
+
+def serve_browse(args: argparse.Namespace, store: str, tokenizer_dir: Any) -> int:
+    """Serve ``browse.create_browse_app`` over ``store`` on ``args.host``:``args.port``, with ``serve``'s
+    checks (binding without a key, the port, the store)."""
+    import uvicorn
+
+    from tracegym.gateway.browse import browse_settings, create_browse_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    refusal = check_binding(args)
+    if refusal is not None:
+        print(refusal.replace("tracegym serve", f"tracegym {args.command}"), file=sys.stderr)
+        return 2
+    preflight(args.host, args.port, None, store)
+    app = create_browse_app(browse_settings(store, args.model, security_settings(args)), tokenizer_dir)
+    print(f"trace inspector: http://{args.host}:{args.port}/ui (read-only; Ctrl-C to stop)", file=sys.stderr,
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+                lifespan="on", proxy_headers=False)
+    return 0
+
+
+def inspect_main(args: argparse.Namespace) -> int:
+    """``tracegym inspect RUN_DIR``: the trace inspector over a finished run's store, no upstream needed."""
+    from pathlib import Path
+
+    from tracegym.gateway.browse import run_store, run_tokenizer
+    from tracegym.models import check_model_name, find_local_model_dir
+
+    store, run_dir = run_store(Path(args.run_dir))
+    tokenizer_dir = None
+    if args.model:
+        check_model_name(args.model)
+        tokenizer_dir = find_local_model_dir(args.model)
+        if tokenizer_dir is None:
+            raise UserError(f"model {args.model!r} is not prepared", f"tracegym models prepare {args.model}")
+    else:
+        tokenizer_dir = run_tokenizer(run_dir)
+    return serve_browse(args, store, tokenizer_dir)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -132,6 +180,12 @@ def main(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _check_args(args)
+    if browsing(args):
+        from tracegym.models import find_local_model_dir
+
+        store = store_url(args)
+        assert store is not None, "browsing() needs a store"
+        return serve_browse(args, store, find_local_model_dir(args.model) if args.model else None)
     refusal = check_binding(args)
     if refusal is not None:
         print(refusal, file=sys.stderr)

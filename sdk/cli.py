@@ -28,12 +28,14 @@ _TARGETS = {
     "export": "tracegym.export:main",
     "import": "tracegym.imports:main",
     "db": "tracegym.gateway.traces.store.migrate:main",
+    "inspect": "tracegym.gateway.serve:inspect_main",
     "models": "tracegym.modelfiles.prepare:main",
 }
 # subcommand -> the extra (pyproject.toml) its implementation needs beyond the bare SDK
 _EXTRAS = {
     "serve": "gateway",
     "db": "gateway",
+    "inspect": "gateway",
     "engine": "trainer",
     "models": "trainer",
     "train": "gateway,trainer",  # the loop starts the gateway as well as the engine
@@ -64,7 +66,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name: its tokenizer/chat template and the served name")
     p.add_argument("--store", default=None,
                    help="SQLAlchemy URL of the trace store, or none (default: $TRACEGYM_STORE_URL, else "
-                        "sqlite:///./tracegym.db); a password here shows in the process list: put the URL in "
+                        "sqlite:///./tracegym.db); given without --upstream or --engine: only browse it in the "
+                        "trace inspector, read-only; a password here shows in the process list: put the URL in "
                         "$TRACEGYM_STORE_URL or the password in --store-password-file")
     p.add_argument("--store-password-file", default=None, metavar="FILE",
                    help="a file holding the store's password, put into the store URL")
@@ -93,6 +96,17 @@ def _add_serve_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-calls", type=int, default=None, metavar="N",
                    help="inference calls served at once; one more is a 429 (default 1024, "
                         "$TRACEGYM_MAX_CONCURRENT_CALLS; docs/security.md lists every limit)")
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = _parser(sub, "inspect", "browse a finished run in the trace inspector, read-only (no upstream needed)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/NAME/TIME; runs/NAME: its latest run)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8001, help="port to listen on")
+    p.add_argument("--model", default=None, help="the tokenizer that shows tokens as text (None: the run's "
+                   "last weights)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    _add_serve_security(p)
 
 
 def _add_engine(sub: argparse._SubParsersAction) -> None:
@@ -181,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: "
                         "TRACEGYM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_engine, _add_run, _add_train, _add_export, _add_import, _add_db, _add_models):
+    for add in (_add_serve, _add_inspect, _add_engine, _add_run, _add_train, _add_export, _add_import, _add_db, _add_models):
         add(sub)
     return parser
 

@@ -38,8 +38,8 @@ EXPENSIVE = {
     "tests/gateway/proxy/upstream/test_fleet.py, tests/e2e/test_fleet_engines.py)",
     "tracegym serve --engine embedded --engines 2 --model smollm2-135m": "two SmolLM2 engines (two tiny-random "
     "ones under tracegym train: tests/trainer/run/test_services.py)",
-    "tracegym serve --store sqlite:///runs/quickstart/latest/tracegym.db": "needs a finished "
-    "quickstart run and smollm2-135m prepared (the inspector: tests/e2e/test_inspector_browser.py)",
+    "tracegym inspect runs/quickstart": "needs a finished quickstart run (the same command on a run "
+    "directory made by the test: tests/gateway/test_browse.py; the pages: tests/e2e/test_inspector_browser.py)",
     "tracegym serve --engine embedded --model smollm2-135m --store postgresql": "needs PostgreSQL and smollm2-135m",
     "createdb": "needs a PostgreSQL server (the store's tests run against one: tests/conftest.py pg_url)",
     "tracegym db upgrade --store postgresql": "needs a PostgreSQL server; its errors: tests/sdk/test_cli_errors.py",

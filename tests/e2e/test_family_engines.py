@@ -75,3 +75,66 @@ def test_messages_streamed(served: tuple[str, ManagedProcess]) -> None:
     with c.messages.stream(messages=msgs, **kw) as s:
         two = s.get_final_message()
     check_one_merged_sequence(gw.base_url, "fam-msg", [one.id, two.id])
+
+
+# ------------------------------------------------------------------------------ sampled tool calls
+
+F = {"type": "object", "properties": {}}
+
+
+@pytest.fixture(scope="module", params=["llama3-tiny", "gptoss-tiny"])
+def scripted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> Iterator[tuple[str, list[int], ManagedProcess]]:
+    """The family's scripted model (``scripted_family.py``: it writes a call to ``f`` in the family's
+    syntax) served by the embedded engine."""
+    from tests.e2e.scripted_family import build_scripted_family
+    from tracegym.modelfiles.prepare import prepare_model
+
+    tmp = tmp_path_factory.mktemp(f"scripted-{request.param}")
+    reply_ids = build_scripted_family(request.param, prepare_model(request.param), tmp / "model")
+    port = free_port()
+    argv = ["tracegym", "serve", "--engine", "embedded", "--model", str(tmp / "model"), "--port", str(port),
+            "--store", f"sqlite:///{tmp / 'tracegym.db'}"]
+    with start_process(argv, port=port, log_path=tmp / "gateway.log", health_path="/healthz", timeout=240) as gw:
+        yield str(tmp / "model"), reply_ids, gw
+
+
+def test_sampled_calls_through_the_three_apis(scripted: tuple[str, list[int], ManagedProcess]) -> None:
+    """The model writes its family's call syntax; chat (whole and streamed), Responses and Messages return
+    it as a call to ``f``, the span says ``ok``, and each rollout of calls and results is one sequence."""
+    model, reply_ids, gw = scripted
+    c = openai.OpenAI(base_url=f"{gw.base_url}/rollouts/s-chat/v1", api_key="unused", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": "f", "description": "F", "parameters": F}}]
+    msgs: list = [{"role": "user", "content": "Call f."}]
+    one = c.chat.completions.create(model=model, messages=msgs, tools=tools, max_tokens=40)
+    call = one.choices[0].message.tool_calls[0]
+    assert (call.function.name, call.function.arguments) == ("f", "{}")
+    assert one.choices[0].finish_reason == "tool_calls"
+    msgs += [one.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+    chunks = list(c.chat.completions.create(model=model, messages=msgs, tools=tools, stream=True, max_tokens=40))
+    streamed = [t for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [("f", "{}")]
+    spans = check_one_merged_sequence(gw.base_url, "s-chat", [one.id, chunks[0].id])
+    assert [s["choices"][0]["output_ids"] for s in spans] == [reply_ids] * 2
+    assert [s["attributes"]["tracegym.tool_parse"] for s in spans] == ["ok", "ok"]
+
+    r = openai.OpenAI(base_url=f"{gw.base_url}/rollouts/s-resp/v1", api_key="unused", max_retries=0, timeout=120)
+    kw = {"model": model, "tools": [{"type": "function", "name": "f", "parameters": F}], "max_output_tokens": 40}
+    first = r.responses.create(input="Call f.", **kw)
+    fc = next(o for o in first.output if o.type == "function_call")
+    assert (fc.name, fc.arguments) == ("f", "{}")
+    second = r.responses.create(previous_response_id=first.id, input=[
+        {"type": "function_call_output", "call_id": fc.call_id, "output": "done"}], **kw)
+    check_one_merged_sequence(gw.base_url, "s-resp", [first.id, second.id])
+
+    a = anthropic.Anthropic(base_url=f"{gw.base_url}/rollouts/s-msg", api_key="unused", max_retries=0, timeout=120)
+    akw = {"model": model, "max_tokens": 40, "tools": [{"name": "f", "input_schema": F}]}
+    amsgs: list = [{"role": "user", "content": "Call f."}]
+    m1 = a.messages.create(messages=amsgs, **akw)
+    use = next(b for b in m1.content if b.type == "tool_use")
+    assert use.name == "f" and use.input == {} and m1.stop_reason == "tool_use"
+    amsgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m1.content]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "done"}]}]
+    m2 = a.messages.create(messages=amsgs, **akw)
+    check_one_merged_sequence(gw.base_url, "s-msg", [m1.id, m2.id])

@@ -135,3 +135,32 @@ def test_rollouts_keep_the_sampled_ids(family: tuple[str, Path]) -> None:
     totals = [play(tok, seed, cache)[:3] for seed in range(40)]
     calls, _, wrong = (sum(t[i] for t in totals) for i in range(3))
     assert calls > 100 and wrong == 0, name
+
+
+def test_an_edited_earlier_turn_is_a_recorded_branch(family: tuple[str, Path]) -> None:
+    """The agent sends back a reply other than the one sampled: the call starts a new sequence (``forked``)
+    naming the call it branched from, never a silent re-render."""
+    from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
+    from tracegym.types import CallRecord, ChoiceRecord
+
+    name, d = family
+    tok = ChatTokenizer.from_dir(d)
+    cache = PrefixCache(tok)
+    msgs = [{"role": "user", "content": "Hello!"}]
+    plan = cache.plan_request("r", {"messages": list(msgs)})
+    text = corpus.sampled(name, "Hi there.", [])
+    out = [*tok.encode(text), tok.eos_token_ids[0]]
+    _, rest = tok.family.split_reasoning(text, False)
+    reply = {"role": "assistant", "content": tok.family.parse_tools(rest, None).content}
+    cache.remember("r", CallRecord(call_id="c0", rollout_id="r", operation="chat", model="m", upstream_kind="sglang",
+                                   request={"messages": list(msgs)},
+                                   choices=[ChoiceRecord(0, out, [0.0] * len(out), "stop", reply)],
+                                   prompt_ids=plan.prompt_ids, drift=plan.drift, prefix_len=plan.prefix_len))
+    same = cache.plan_request("r", {"messages": [*msgs, reply, {"role": "user", "content": "More."}]})
+    assert same.drift in ("clean", "realigned") and same.parent_call_id == "c0"
+    assert same.prompt_ids[: len(plan.prompt_ids) + len(out)] == plan.prompt_ids + out
+    edited = cache.plan_request("r", {"messages": [*msgs, {"role": "assistant", "content": "Edited."},
+                                                    {"role": "user", "content": "More."}]})
+    assert edited.drift == "forked" and edited.parent_call_id == "c0", name
+    assert edited.prompt_ids == tok.apply([*msgs, {"role": "assistant", "content": "Edited."},
+                                           {"role": "user", "content": "More."}])

@@ -22,7 +22,8 @@ from tests.sdk.scripted_judge import read_log, scripted_judge
 from tracegym.judge import JUDGE_AGENT
 from tracegym.runner import run_agent
 from tracegym.trainer.run.gateway_client import ControlClient, Group
-from tracegym.trainer.run.judge import GroupJudge, JudgeConfig, RewardConfig
+from tracegym.trainer.run.judge import GroupJudge
+from tracegym.trainer.settings import JudgeConfig, RewardConfig
 from tracegym.types import Trajectory
 
 RUBRIC = "The reply is an even number of characters long."

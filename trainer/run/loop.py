@@ -203,6 +203,8 @@ class Trainer(ObjectiveSteps):
             start_step=self.state.step,
             eval_interval=recipe.eval_interval,
             evaluates=bool(self.eval_tasks),
+            step_rollouts=recipe.batch_size * recipe.group_size,
+            eval_rollouts=len(self.eval_tasks) * recipe.eval_samples,
         )
         if recipe.reward.judge is not None:  # docs/agents.md: group judge rewards
             from tracegym.trainer.run.judge import GroupJudge

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from tracegym.trainer.run.eta import eta_seconds, evals_left
+
 SHOWN = ("reward_mean", "pass_rate", "loss", "kl", "clip_frac", "mismatch", "swap_s", "tokens_per_s")
 
 
@@ -35,26 +37,6 @@ def live_label(*, step: int, total: int, evaluating: bool, done: int, n: int, el
     progress is ``step + 1``; an evaluation is labelled with the step whose weights it samples."""
     what = f"eval @ step {step}" if evaluating else f"step {min(step + 1, total)}/{total}"
     return f"{what} | generating {done}/{n} | {fmt_duration(elapsed_s)}"
-
-
-def evals_left(step: int, total: int, interval: int, *, evaluates: bool = True) -> int:
-    """Held-out evaluations still to come once step ``step``'s line is printed: one after every
-    ``interval``-th step before the last (that step's own included), and the final one."""
-    if not evaluates:
-        return 0
-    between = sum(1 for k in range(max(step, 1), total) if interval and k % interval == 0)
-    return between + 1
-
-
-def eta_seconds(
-    step_s: list[float], steps_left: int, *, eval_s: float | None = None, evals: int = 0, window: int = 5
-) -> float | None:
-    """Time left: the mean of the last ``window`` step durations × the steps left, plus the last
-    evaluation's duration × the evaluations left. ``None`` before any step finished."""
-    if not step_s:
-        return None
-    recent = step_s[-window:]
-    return sum(recent) / len(recent) * steps_left + (eval_s or 0.0) * evals
 
 
 def skipped_reason(metrics: dict[str, Any]) -> str | None:
@@ -87,9 +69,13 @@ class StepProgress:
         start_step: int = 0,
         eval_interval: int = 0,
         evaluates: bool = True,
+        step_rollouts: int = 0,
+        eval_rollouts: int = 0,
         interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``step_rollouts`` and ``eval_rollouts``: the rollouts a step and an evaluation sample (they
+        scale the steps' generation time into an evaluation's until an evaluation after the first ran)."""
         from tracegym.progress import Progress
 
         self.total = total
@@ -97,19 +83,25 @@ class StepProgress:
         self.start_step = start_step
         self.eval_interval = eval_interval
         self.evaluates = evaluates
+        self.step_rollouts = step_rollouts
+        self.eval_rollouts = eval_rollouts
         self.clock = clock
         self.step_s: list[float] = []
-        self.eval_s: float | None = None
+        self.gen_s: list[float] = []
+        self.eval_s: list[float] = []
         self._live = Progress(self.out, interval=interval, clock=clock)
         self.tty = self._live.tty
 
-    def eta(self, step: int) -> str:
-        left = eta_seconds(
-            self.step_s,
-            self.total - step,
-            eval_s=self.eval_s,
+    def eta_s(self, step: int) -> float | None:
+        """Seconds left once step ``step``'s line is printed (``eta.eta_seconds``); None: no estimate yet."""
+        return eta_seconds(
+            self.step_s, self.total - step, gen_s=self.gen_s, eval_s=self.eval_s,
             evals=evals_left(step, self.total, self.eval_interval, evaluates=self.evaluates),
+            eval_rollouts=self.eval_rollouts, step_rollouts=self.step_rollouts,
         )
+
+    def eta(self, step: int) -> str:
+        left = self.eta_s(step)
         return "?" if left is None else fmt_duration(left)
 
     def status(self, text: str) -> None:
@@ -117,9 +109,12 @@ class StepProgress:
         self._live.update(text)
 
     def step(self, step: int, metrics: dict[str, Any]) -> None:
-        """Print step ``step``'s line; ``metrics["step_s"]`` (the step's wall time) feeds the ETA."""
+        """Print step ``step``'s line; ``metrics["step_s"]`` (the step's wall time) and ``gen_s`` (its
+        rollouts' part) feed the ETA."""
         if isinstance(metrics.get("step_s"), int | float):
             self.step_s.append(float(metrics["step_s"]))
+            if isinstance(metrics.get("gen_s"), int | float):
+                self.gen_s.append(float(metrics["gen_s"]))
         parts = [f"step {step}/{self.total}"]
         if (why := skipped_reason(metrics)) is not None:
             parts.append(f"skipped: {why}")
@@ -129,7 +124,7 @@ class StepProgress:
 
     def evaluated(self, text: str, seconds: float) -> None:
         """Print an evaluation's line; its duration feeds the ETA."""
-        self.eval_s = seconds
+        self.eval_s.append(seconds)
         self._live.print(text)
 
     def message(self, text: str) -> None:

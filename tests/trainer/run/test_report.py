@@ -1,5 +1,5 @@
 """What a run prints and leaves behind, as pure functions: the live line's labels, the ETA, a line every
-10 s when the output is not a terminal, and the summary read from the run's own rows (issue 20)."""
+10 s when the output is not a terminal, and the summary read from the run's own rows."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import io
 import json
 from pathlib import Path
 
+from tracegym.trainer.run.eta import eta_seconds, eval_estimate, evals_left, step_estimate
 from tracegym.trainer.run.report import (
     StepProgress,
-    eta_seconds,
-    evals_left,
     fmt_duration,
     live_label,
     read_metrics,
@@ -38,22 +37,33 @@ def test_live_label_names_the_evaluation_not_a_step_past_the_end() -> None:
     )
 
 
-def test_eta_after_one_step_is_that_step_times_the_steps_left_plus_the_evaluations() -> None:
-    # the first ETA of the quickstart read 216m31s: it divided the time since start-up (model load and the
-    # first evaluation included) by one step. Now: the step's own time, plus the evaluations to come.
+def test_eta_leaves_out_the_first_steps_and_evaluations_warm_up() -> None:
+    # the first ETA of the quickstart read 216m31s, later 3.6x the run: the first step's and first evaluation's
+    # one-time costs were counted as if every step and evaluation would pay them
     out = io.StringIO()
-    p = StepProgress(36, out=out, eval_interval=18, clock=Clock())
-    p.evaluated("eval @ step 0: ...", 10.0)
-    p.step(1, {"reward_mean": 0.1, "step_s": 5.0})
+    p = StepProgress(36, out=out, eval_interval=18, step_rollouts=32, eval_rollouts=128, clock=Clock())
+    p.evaluated("eval @ step 0: ...", 60.0)
+    p.step(1, {"reward_mean": 0.1, "step_s": 18.0, "gen_s": 13.0})
+    assert out.getvalue().splitlines()[-1].endswith("| eta ?")  # only the warm-up step: no estimate yet
+    p.step(2, {"reward_mean": 0.1, "step_s": 7.0, "gen_s": 2.0})
+    # a step: generation 2 s (step 2's) + the rest 5 s (both steps'); an evaluation: 4 steps' rollouts at 2 s
+    assert p.eta_s(2) == 7.0 * 34 + 2 * (2.0 * 128 / 32)
+    assert out.getvalue().splitlines()[-1].endswith(f"| eta {fmt_duration(7.0 * 34 + 16)}")
+    p.evaluated("eval @ step 18: ...", 6.0)  # an evaluation after the first: evaluations are timed by it
+    assert p.eta_s(2) == 7.0 * 34 + 2 * 6.0
     assert evals_left(1, 36, 18) == 2  # after step 18, and the final one
-    assert eta_seconds([5.0], 35, eval_s=10.0, evals=2) == 5.0 * 35 + 20
-    assert out.getvalue().splitlines()[-1].endswith("| eta 3m15s")
     assert fmt_duration(195) == "3m15s" and fmt_duration(7500) == "2h05m" and fmt_duration(9.6) == "10s"
 
 
 def test_eta_is_a_moving_average_of_the_last_steps() -> None:
-    assert eta_seconds([], 10) is None
+    assert eta_seconds([], 10) is None and eta_seconds([100.0], 10) is None
     assert eta_seconds([100.0, 1, 1, 1, 1, 1], 10, window=5) == 10.0  # the slow first step has dropped out
+    assert eta_seconds([100.0, 9, 1, 1, 1, 1, 1], 10, window=5) == 10.0  # and the older ones
+    assert eta_seconds([5.0], 0, eval_s=[30.0], evals=1) == 30.0  # the last step: the final evaluation left
+    # offline steps (no generation part) are averaged whole; generation's warm-up is in the first step only
+    assert step_estimate([9.0, 3.0, 5.0]) == 4.0
+    assert step_estimate([9.0, 3.0, 5.0], [6.0, 1.0, 1.0]) == 1.0 + (3.0 + 2.0 + 4.0) / 3
+    assert eval_estimate([40.0], [], eval_rollouts=128, step_rollouts=32) == 40.0
     assert evals_left(18, 36, 18) == 2  # step 18's own evaluation is still to come once its line is printed
     assert evals_left(36, 36, 18) == 1 and evals_left(5, 36, 0) == 1 and evals_left(5, 36, 0, evaluates=False) == 0
 

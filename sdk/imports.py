@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tracegym.client import GatewayClient, GatewayError, config_for
+from tracegym.client import GatewayClient, GatewayError
 from tracegym.progress import Progress
 
 FORMATS = ("chat", "sft", "dpo", "trajectories", "hf")
@@ -88,8 +88,13 @@ def main(args: argparse.Namespace) -> int:
     path = Path(args.file)
     if not path.is_file():
         raise SystemExit(f"tracegym import: no such file: {path}")
+    from tracegym.cli_gateway import check_gateway
+    from tracegym.queue_commands import gateway_config
+
+    config = gateway_config(args.gateway)
+    check_gateway(config.gateway_url, args.gateway)  # no gateway: two lines in a few seconds, not retries
     bar = Progress(sys.stderr, interval=5.0)
-    with GatewayClient(config_for(args.gateway)) as client:
+    with GatewayClient(config) as client:
         try:
             got = import_file(client, path, name=args.name, fmt=args.format, progress=bar)
         except GatewayError as e:

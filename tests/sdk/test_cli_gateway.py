@@ -1,4 +1,4 @@
-"""Commands that talk to a gateway (enqueue, export) with none there: they fail within seconds, say so in
+"""Commands that talk to a gateway (enqueue, export, import) with none there: they fail within seconds, say so in
 the command line's terms (--gateway, $TRACEGYM_GATEWAY; not the SDK's tg.configure) and leave no stray
 file; a gateway lost half-way through an export is said the same way."""
 
@@ -60,6 +60,14 @@ def test_export_with_no_gateway_leaves_no_file(tmp_path: Path) -> None:
     assert "($TRACEGYM_GATEWAY;" in res.stderr and "attempts" not in res.stderr
     assert took < 5, took
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_import_with_no_gateway_fails_fast(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    res, took = tracegym("import", "chat.jsonl", "--name", "demo", "--gateway", url, cwd=tmp_path)
+    assert_cli_terms(res, url)
+    assert took < 5, took
 
 
 @pytest.fixture

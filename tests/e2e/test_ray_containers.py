@@ -1,0 +1,80 @@
+"""The trainer on a Ray cluster of two containers (docker-compose.yml + docker-compose.ray.yml): the trainer
+container is the Ray head and the driver, `ray-worker` a second node; `tracegym train` joins the cluster by
+address and its two FSDP2 ranks, one CPU each on nodes that offer one CPU each, run one per node, with
+gloo between them across the compose network (recipe-compose-ray-short.yaml: SmolLM2, 3 steps, a
+checkpoint after each). Checked: `ray status` counts 2 nodes with both CPUs in use while a step trains,
+every step that has groups with unequal rewards trains and swaps its weights into the engine (a new
+weight version each), and a Ray worker node
+killed mid-run (SIGKILL to its process after two steps) fails the run with Ray's error naming the dead
+node, after which the trainer container restarts, the worker node rejoins and the run continues from its
+checkpoint to the end."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.compose_support import Stack, stack
+
+pytestmark = pytest.mark.slow
+
+RECIPE = "examples/quickstart/recipe-compose-ray-short.yaml"
+NAME, STEPS = "compose-ray-short", 3
+
+
+def _ray_status(s: Stack) -> str:
+    return s.exec("trainer", "ray", "status", "--address=trainer:6379", check=False)
+
+
+def _nodes(status: str) -> int:
+    active = status.split("Active:")[1].split("Pending:")[0] if "Active:" in status else ""
+    return sum(int(n) for n in re.findall(r"^\s*(\d+) node_", active, re.M))
+
+
+def _cpus_used(status: str) -> tuple[float, float]:
+    m = re.search(r"([\d.]+)/([\d.]+) CPU", status)
+    return (float(m.group(1)), float(m.group(2))) if m else (0.0, 0.0)
+
+
+def _train_steps(s: Stack) -> list[int]:
+    return [m["step"] for m in s.metrics(NAME) if m.get("kind") == "train"]
+
+
+def _weight_version(s: Stack) -> int:
+    """The newest weight version the gateway recorded (the trainer's swaps: 1, 2, ...)."""
+    r = httpx.get(f"{s.url}/api/weight_versions", headers=s.headers, timeout=30)
+    versions = [re.sub(r"\D", "", str(v["version"])) for v in r.json()["weight_versions"]]
+    return max((int(v) for v in versions if v), default=0)
+
+
+@pytest.mark.timeout(1800)  # SmolLM2 in six containers on a shared 2-core machine
+def test_trainer_ranks_on_two_ray_nodes_in_containers_survive_a_worker_node_kill() -> None:
+    t0 = time.monotonic()
+    with stack(["docker-compose.yml", "docker-compose.ray.yml"], TRACEGYM_RAY_RECIPE=RECIPE) as s:
+        s.compose("up", "-d")
+        s.wait("the gateway healthy, its engine reachable", s.gateway_ready, 300)
+        s.wait("a Ray cluster of 2 nodes", lambda: _nodes(_ray_status(s)) == 2, 300)
+        busy = s.wait("both nodes' CPUs held by the trainer's ranks",
+                      lambda: (lambda st: _cpus_used(st) == (2.0, 2.0) and st)(_ray_status(s)), 600)
+        print(busy)
+        s.wait("two steps trained (a checkpoint after the first)", lambda: len(_train_steps(s)) >= 2, 1200, every=5)
+        assert _weight_version(s) >= 2
+
+        # a Ray worker node dies mid-run (SIGKILL to its process, as a crash: its restart policy applies)
+        restarts = int(s.inspect("trainer", "{{.RestartCount}}"))
+        os.kill(int(s.inspect("ray-worker", "{{.State.Pid}}")), signal.SIGKILL)
+        s.wait("the trainer restarted", lambda: int(s.inspect("trainer", "{{.RestartCount}}")) > restarts, 600, every=5)
+        s.wait("the trainer's run finished", lambda: s.inspect("trainer", "{{.State.Status}}") == "exited", 1200,
+               every=5)
+        log = s.logs("trainer", tail=5000)
+        assert s.inspect("trainer", "{{.State.ExitCode}}") == "0", log[-5000:]
+        assert "tracegym-train-or-resume: resuming /weights/compose-ray-short/" in log
+        assert sorted(set(_train_steps(s))) == list(range(1, STEPS + 1))
+        trained = {m["step"] for m in s.metrics(NAME) if m.get("kind") == "train" and "loss" in m}
+        assert _weight_version(s) >= len(trained) >= 2  # a swap per step that trained (one may tie: no update)
+        print(f"wall time {time.monotonic() - t0:.0f} s")

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -48,17 +49,24 @@ def _first_line(code: str, prefixes: dict[str, str]) -> str | None:
     return next((p for line in code.splitlines() for p in prefixes if line.startswith(p)), None)
 
 
-@pytest.fixture(scope="module")
-def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("snippets")
+@contextmanager
+def serve_as_page_model(model_dir: Path, tmp: Path) -> Iterator[str]:
+    """A gateway with the embedded engine on ``model_dir``, served as ``PAGE_MODEL`` (a model cache of its
+    own names it so); yields its URL."""
     (tmp / "cache" / "models").mkdir(parents=True)
-    (tmp / "cache" / "models" / PAGE_MODEL).symlink_to(tiny_model_dir, target_is_directory=True)
+    (tmp / "cache" / "models" / PAGE_MODEL).symlink_to(model_dir, target_is_directory=True)
     port = free_port()
     args = ["tracegym", "serve", "--engine", "embedded", "--model", PAGE_MODEL, "--port", str(port),
             "--store", f"sqlite:///{tmp / 'tracegym.db'}"]
     env = {"TRACEGYM_CACHE": str(tmp / "cache"), "HF_HUB_OFFLINE": "1"}
     with start_process(args, port=port, log_path=tmp / "serve.log", health_path="/healthz", timeout=240, env=env):
         yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serve_as_page_model(tiny_model_dir, tmp_path_factory.mktemp("snippets")) as url:
+        yield url
 
 
 def run_block(code: str, gateway: str) -> subprocess.CompletedProcess[str]:
@@ -96,3 +104,17 @@ def test_python_block_runs_as_written(page: str, index: int, code: str, gateway:
         assert (int(done), int(failed)) == (2, 0), res.stdout
     if _first_line(code, AFTERWARDS):
         assert re.search(r"^reward (0\.0|1\.0)$", res.stdout, flags=re.M), res.stdout
+
+
+def test_responses_block_sends_the_tool_result_back(qwen3_model_dir: Path, tmp_path: Path) -> None:
+    """Tiny-random never calls the tool, so the Responses block's second call runs here against a model
+    scripted to call ``add`` (``tests/e2e/scripted_qwen3.py``): the block sends the tool's result back under
+    ``previous_response_id``."""
+    from tests.e2e.scripted_qwen3 import build_scripted_qwen3
+
+    build_scripted_qwen3(qwen3_model_dir, tmp_path / "scripted")
+    code = next(code for _, _, code in BLOCKS if "client.responses.create" in code)
+    with serve_as_page_model(tmp_path / "scripted", tmp_path / "gw") as url:
+        res = run_block(code + '\nprint("called", call.name, "then", r.previous_response_id is not None)\n', url)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "called add then True", res.stdout

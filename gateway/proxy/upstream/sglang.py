@@ -28,6 +28,7 @@ import aiohttp
 import orjson
 
 from tracegym.gateway.openai_errors import UpstreamRejected, UpstreamUnavailable
+from tracegym.gateway.proxy.upstream.adapter_table import AdapterTable
 from tracegym.gateway.proxy.upstream.base import (
     GenChoice,
     GenerateRequest,
@@ -53,7 +54,6 @@ from tracegym.gateway.proxy.upstream.http import (
     upstream_errors,
 )
 from tracegym.gateway.proxy.upstream.keepalive import KeepAlivePool
-from tracegym.gateway.proxy.upstream.adapter_table import AdapterTable
 from tracegym.gateway.proxy.upstream.swap import SwapGate
 
 log = logging.getLogger("tracegym.gateway")

@@ -123,12 +123,16 @@ done_step
 
 step "$IMAGE from $BASE_IMAGE" "pip inside the build must reach its index (a network that intercepts TLS needs TRACEGYM_EXTRA_CA); the failing instruction is above."
 BUILD_LOG=${TMPDIR:-/tmp}/tracegym-image-build.log
-docker build -t "$IMAGE" \
-  --build-arg BASE_IMAGE="$BASE_IMAGE" \
-  --build-arg TORCH_SPEC="${TRACEGYM_TORCH_SPEC:-torch==2.13.0}" \
-  --build-arg PIP_EXTRA="${TRACEGYM_PIP_EXTRA:-}" \
-  --build-arg PRELOAD_MODELS="${TRACEGYM_PRELOAD_MODELS-smollm2-135m tiny-random}" \
-  . >"$BUILD_LOG" 2>&1 || { tail -40 "$BUILD_LOG" >&2; false; }
+BUILD_ARGS=(--build-arg BASE_IMAGE="$BASE_IMAGE"
+  --build-arg TORCH_SPEC="${TRACEGYM_TORCH_SPEC:-torch==2.13.0}"
+  --build-arg PIP_EXTRA="${TRACEGYM_PIP_EXTRA:-}"
+  --build-arg PRELOAD_MODELS="${TRACEGYM_PRELOAD_MODELS-smollm2-135m tiny-random}")
+# The virtualenv and models stages are tagged (tracegym-build:models), so that pruning the untagged
+# images that earlier builds left behind never drops them from the layer cache.
+docker build --target models -t tracegym-build:models "${BUILD_ARGS[@]}" . >"$BUILD_LOG" 2>&1 \
+  || { tail -40 "$BUILD_LOG" >&2; false; }
+docker build -t "$IMAGE" "${BUILD_ARGS[@]}" . >>"$BUILD_LOG" 2>&1 || { tail -40 "$BUILD_LOG" >&2; false; }
+docker image prune -f >/dev/null  # the earlier builds' images that no tag names any more
 grep -E '^Step [0-9]+/' "$BUILD_LOG" | grep -vE ' : (ENV|ARG|WORKDIR|VOLUME|ENTRYPOINT|CMD) ' | sed 's/^/   /' | cut -c1-110
 echo "   build log: $BUILD_LOG"
 docker run --rm --entrypoint python "$IMAGE" -c 'import torch, ray, tracegym.gateway.app, tracegym.engine' 

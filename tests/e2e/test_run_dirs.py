@@ -1,4 +1,4 @@
-"""Run directories end to end (issue 20), with real processes on tiny-random: a second quickstart run
+"""Run directories end to end, with real processes on tiny-random: a second quickstart run
 leaves the first one's results alone, and a run keeps only the last checkpoint and weight version and
 still resumes from them."""
 

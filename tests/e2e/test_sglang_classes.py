@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own code as the judge of our SGLang adapter (issue 19 part 4).
+"""SGLang 0.5.23's own code as the judge of our SGLang adapter.
 
 Requests: the real gateway (in front of the recording SGLang fake) and the trainer's weight sync make
 every kind of call they make to SGLang — chat with every sampling option the adapter maps, n > 1, a

@@ -1,4 +1,4 @@
-"""`tracegym train` with two trainer workers on Ray (issue 19, part 6), tiny-random, real processes: on a
+"""`tracegym train` with two trainer workers on Ray, tiny-random, real processes: on a
 Ray the trainer starts (and stops) itself, and joined to a running cluster (`ray start --head`), which it
 leaves running. Every step must train (the agent's rewards never tie), swap its weights into the engine
 and leave no process behind."""

@@ -1,4 +1,4 @@
-"""Recipe loading (issue 20): 'did you mean' for misspelt keys, every path relative to the recipe file
+"""Recipe loading: 'did you mean' for misspelt keys, every path relative to the recipe file
 (a local model directory and a SQLite store too), and the default run directory under the current one."""
 
 from __future__ import annotations

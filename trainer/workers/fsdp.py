@@ -82,7 +82,7 @@ FRESH_OPTIMIZER_MARK = "OPTIMIZER_NOT_STEPPED"
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """Without a process group, DCP warns on every save and load that it assumes one process; that is
-    the intended use here (one rank), so the warning is dropped (issue 20: noise at the end of a run)."""
+    the intended use here (one rank), so the warning is dropped (noise at the end of a run)."""
     with warnings.catch_warnings():
         if not is_distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

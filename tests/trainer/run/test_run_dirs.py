@@ -1,4 +1,4 @@
-"""One directory per run (issue 20): timestamped directories with a ``latest`` link, a fixed run_dir refused
+"""One directory per run: timestamped directories with a ``latest`` link, a fixed run_dir refused
 once it holds a run unless --resume or --overwrite, and the run directory's size."""
 
 from __future__ import annotations

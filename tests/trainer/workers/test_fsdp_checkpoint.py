@@ -1,4 +1,4 @@
-"""A checkpoint writes tied embeddings once (issue 20: run directories too large) and still restores the
+"""A checkpoint writes tied embeddings once (run directories stay small) and still restores the
 model and AdamW exactly; checkpoints written before, with the tied tensor twice, load too."""
 
 from __future__ import annotations

@@ -86,6 +86,20 @@ def tool_system_section(tools: list[dict[str, Any]], tool_choice: Any = None) ->
     return text
 
 
+def named_call(obj: Any, names: Collection[str] | None, arg_keys: tuple[str, str]) -> tuple[str, Any] | str:
+    """``(name, arguments as given)`` of a JSON call object (its arguments under the first of ``arg_keys``
+    it has; ``{}`` under neither), or why it is not a call of an offered tool (``names``; None = any)."""
+    if not isinstance(obj, dict):
+        return f"not a JSON object ({type(obj).__name__})"
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return "empty tool name" if name == "" else "no tool name"
+    if names is not None and name not in names:
+        return f"unknown tool {name[:80]!r}"
+    first, second = arg_keys
+    return name, obj.get(first, obj.get(second, {}))
+
+
 def _as_call(inner: str, names: Collection[str] | None) -> tuple[str, str] | str:
     """``(name, arguments JSON string)`` when ``inner`` is a well-formed call, else why it is not."""
     try:
@@ -94,14 +108,10 @@ def _as_call(inner: str, names: Collection[str] | None) -> tuple[str, str] | str
         return f"invalid JSON ({getattr(e, 'msg', e)})"
     except RecursionError:
         return "invalid JSON (nested too deeply)"
-    if not isinstance(obj, dict):
-        return f"not a JSON object ({type(obj).__name__})"
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return "empty tool name" if name == "" else "no tool name"
-    if names is not None and name not in names:
-        return f"unknown tool {name[:80]!r}"
-    args = obj.get("arguments", obj.get("parameters", {}))
+    named = named_call(obj, names, ("arguments", "parameters"))
+    if isinstance(named, str):
+        return named
+    name, args = named
     if isinstance(args, dict):
         return name, json.dumps(args, ensure_ascii=False)
     if isinstance(args, str) and isinstance(parse_arguments(args), dict):

@@ -22,7 +22,7 @@ from collections.abc import Collection
 from typing import Any
 
 from tracegym.gateway.proxy.prompt.families.base import BufferedToolParser, Family
-from tracegym.gateway.proxy.prompt.tools import ToolParse, _openai_call, parse_status
+from tracegym.gateway.proxy.prompt.tools import ToolParse, _openai_call, named_call, parse_status
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -32,14 +32,10 @@ def _recognise(template: str, tokens: Collection[str]) -> bool:
 
 
 def _one_call(obj: Any, names: Collection[str] | None) -> tuple[str, str] | str:
-    if not isinstance(obj, dict):
-        return f"not a JSON object ({type(obj).__name__})"
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return "empty tool name" if name == "" else "no tool name"
-    if names is not None and name not in names:
-        return f"unknown tool {name[:80]!r}"
-    args = obj.get("parameters", obj.get("arguments", {}))
+    named = named_call(obj, names, ("parameters", "arguments"))
+    if isinstance(named, str):
+        return named
+    name, args = named
     if isinstance(args, str):
         try:
             args = json.loads(args)

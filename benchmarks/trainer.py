@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
+from tracegym.modelfiles.load import default_device
 from tracegym.modelfiles.prepare import prepare_model
-from tracegym.trainer.settings import OptimConfig
+from tracegym.trainer.settings import OptimConfig, RayConfig
 from tracegym.trainer.workers.batches import TrainBatch, TrainSample
 from tracegym.trainer.workers.group import WorkerGroup
-from tracegym.trainer.workers.ray_cluster import RaySettings
 from tracegym.trainer.workers.train_config import TrainConfig
 from tracegym.trainer.workers.worker import token_logprobs
 
@@ -55,7 +55,8 @@ class BareLoop:
     def __init__(self, model_dir: Path, batch: TrainBatch, dtype: str, lr: float) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
+        self.device = torch.device(default_device())  # where the worker trains too
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(self.device).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.dtype = dtype
         s = batch.samples
@@ -73,10 +74,13 @@ class BareLoop:
         self.mask = mask[:, first:]
         self.adv = torch.tensor([x.advantage for x in s])[:, None]
         self.tokens = int(self.attn.sum())
+        self.ids, self.attn, self.targets, self.mask, self.adv = (
+            t.to(self.device) for t in (self.ids, self.attn, self.targets, self.mask, self.adv)
+        )
 
     def step(self) -> float:
         t0 = time.perf_counter()
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.dtype == "bfloat16" else nullcontext()
+        ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.dtype == "bfloat16" else nullcontext()
         with ctx:
             logits = self.model(
                 input_ids=self.ids, attention_mask=self.attn, logits_to_keep=self.keep + 1, use_cache=False
@@ -87,6 +91,8 @@ class BareLoop:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         return self.tokens / (time.perf_counter() - t0)
 
 
@@ -108,7 +114,7 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> None:
 
         ray.init(num_cpus=threads, include_dashboard=False, log_to_driver=False)
         groups["workergroup_ray"] = WorkerGroup(
-            model_dir, num_workers=1, train_cfg=cfg, use_ray=True, ray_settings=RaySettings(cpus_per_worker=threads)
+            model_dir, num_workers=1, train_cfg=cfg, use_ray=True, ray_settings=RayConfig(cpus_per_worker=threads)
         )
     wall: dict[str, list[float]] = {k: [] for k in ["bare", *groups]}
     cpu: dict[str, list[float]] = {k: [] for k in wall}
@@ -145,7 +151,7 @@ def swap(args: argparse.Namespace, model_dir: Path) -> None:
         port = free_port()
         gateway = start_process(
             ["tracegym", "serve", "--engine", "embedded", "--model", str(model_dir), "--port", str(port),
-             "--store", "none"],
+             "--store", "none", "--weights-dir", str(Path(tmp) / "weights")],
             port=port,
             log_path=Path(tmp) / "gateway.log",
             health_path="/healthz",

@@ -25,6 +25,7 @@ _TARGETS = {
     "run": "tracegym.queue_commands:main",
     "enqueue": "tracegym.queue_commands:enqueue_main",
     "train": "tracegym.trainer.run.loop:main",
+    "tinker-serve": "tracegym.trainer.service.main:main",
     "export": "tracegym.export:main",
     "import": "tracegym.imports:main",
     "db": "tracegym.gateway.traces.store.migrate:main",
@@ -39,6 +40,7 @@ _EXTRAS = {
     "engine": "trainer",
     "models": "trainer",
     "train": "gateway,trainer",  # the loop starts the gateway as well as the engine
+    "tinker-serve": "gateway,trainer,tinker",  # it starts a gateway too; the SDK's wire format
 }
 
 
@@ -64,6 +66,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-port", type=int, default=0, help="port of the embedded engine (0 = free port)")
     p.add_argument("--engines", type=int, default=1, help="embedded engines to start (with --engine embedded)")
     p.add_argument("--model", help="model name: its tokenizer/chat template and the served name")
+    p.add_argument("--chat-format", default=None, metavar="FAMILY",
+                   help="the model family to render prompts and parse replies with, instead of recognising it from "
+                        "the tokenizer (default: $TRACEGYM_CHAT_FORMAT, else recognised; docs/model-families.md, "
+                        "an unknown name lists the families)")
     p.add_argument("--store", default=None,
                    help="SQLAlchemy URL of the trace store, or none (default: $TRACEGYM_STORE_URL, else "
                         "sqlite:///./tracegym.db); given without --upstream or --engine: only browse it in the "
@@ -96,6 +102,31 @@ def _add_serve_security(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-calls", type=int, default=None, metavar="N",
                    help="inference calls served at once; one more is a 429 (default 1024, "
                         "$TRACEGYM_MAX_CONCURRENT_CALLS; docs/security.md lists every limit)")
+
+
+def _add_tinker_serve(sub: argparse._SubParsersAction) -> None:
+    p = _parser(sub, "tinker-serve", "run the training service: the Tinker API (the tinker SDK's base_url) over "
+                "the trainer, every sample a span in the store (docs/tinker.md)")
+    p.add_argument("--model", required=True, help="the base model it trains and samples (tracegym models)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8100, help="port to listen on")
+    p.add_argument("--state-dir", default="tinker-service", help="checkpoints, published weights, logs, the "
+                   "store (when --store is not given)")
+    p.add_argument("--store", default=None, help="the store of the gateway it starts (default: "
+                   "$TRACEGYM_STORE_URL, else SQLite in --state-dir)")
+    p.add_argument("--gateway", default=None, metavar="URL", help="sample through this running gateway instead "
+                   "of starting one (its key: $TRACEGYM_GATEWAY_KEY)")
+    p.add_argument("--gateway-weights-dir", default=None, metavar="DIR", help="that gateway's --weights-dir "
+                   "(published weights are written under DIR/tinker)")
+    p.add_argument("--keep", type=int, default=4, help="published weight versions kept on disk (older "
+                   "samplers are refused)")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget of one forward/backward "
+                   "micro-batch")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch threads of the training workers")
+    p.add_argument("--admin-key", default=None, help="the key every route but the health check needs "
+                   "(default $TRACEGYM_ADMIN_KEY)")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an admin key")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
@@ -195,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also: "
                         "TRACEGYM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_inspect, _add_engine, _add_run, _add_train, _add_export, _add_import, _add_db, _add_models):
+    for add in (_add_serve, _add_inspect, _add_engine, _add_run, _add_train, _add_tinker_serve, _add_export, _add_import, _add_db, _add_models):
         add(sub)
     return parser
 

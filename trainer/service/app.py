@@ -1,0 +1,463 @@
+"""The training service's HTTP API: the Tinker API's routes (``/api/v1/...``, what the ``tinker`` SDK
+calls) over ``ServiceState``. Training and sampling requests answer a future at once
+(``{"request_id": ...}``) and run as tasks; ``/api/v1/retrieve_future`` answers their result.
+
+Keys: with an admin key set, every route but the health checks needs it (``X-API-Key``, the SDK's
+header, or ``Authorization: Bearer``), given as it is or with the ``tml-`` prefix the SDK insists on;
+a run's own key (``GET /api/v1/training_runs/{model_id}/key``) works for that run's requests and its
+samplers only. Status codes: 400 bad input, 401/403 keys, 404 unknown run, sampler, version or an
+operation tracegym does not offer, 409 a second client stepping a run (``runs`` says the ordering rule)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tracegym.trainer.algorithms.registry import UnknownNameError
+from tracegym.trainer.service.futures import UserFault
+from tracegym.trainer.service.runs import Run, SeqConflict
+from tracegym.trainer.service.state import SAMPLER_WEIGHTS, ServiceState, tinker_path
+from tracegym.trainer.service.wire import (
+    PROTO,
+    BadInput,
+    forward_backward_from_json,
+    forward_backward_from_proto,
+)
+
+ADAM_DEFAULTS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                 "grad_clip_norm": 0.0}
+"""The API's AdamParams defaults (the SDK always sends every field)."""
+
+CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False,
+                 "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
+                 "custom_loss_server_side": False, "sample_join_sampling_session": False,
+                 "fwdbwd_max_chunk_len": 1 << 20, "fwdbwd_max_chunk_bytes_count": 1 << 40}
+"""What the SDK is told at start: plain API keys, httpx, one forward_backward request per call, custom
+losses run on the client (their gradient comes back as cross_entropy weights)."""
+
+UNSUPPORTED = {
+    "create_custom_loss": "server-side custom losses (custom losses run on the client: forward_backward_custom)",
+    "copy_weights": "copying weights between accounts",
+    "save_weights_external": "exporting weights to external storage",
+    "retrieve_futures": "session-wide future polling (the SDK polls each future)",
+    "auth/token": "JWT exchange (use an API key)",
+}
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _fail(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message, "error": {"message": message}}, status_code=status)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise HttpError(400, f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object")
+    return body
+
+
+def _key(request: Request) -> str | None:
+    if key := request.headers.get("x-api-key"):
+        return key
+    auth = request.headers.get("authorization", "")
+    return auth[7:] if auth[:7].lower() == "bearer " else None
+
+
+def _is(given: str, key: str) -> bool:
+    return hmac.compare_digest(given, key) or hmac.compare_digest(given, "tml-" + key)
+
+
+class Access:
+    """Who the request's key is: the admin, the holder of one run's key, or nobody."""
+
+    def __init__(self, state: ServiceState, request: Request) -> None:
+        self.state, admin = state, state.cfg.admin_key
+        given = _key(request)
+        self.admin = admin is None or (given is not None and _is(given, admin))
+        self.run_keys = {r.model_id for r in state.runs.values() if given is not None and _is(given, r.key)}
+        if not self.admin and not self.run_keys:
+            raise HttpError(401, "missing or wrong API key: send the service's admin key (or a run's key) as "
+                                 "X-API-Key or Authorization: Bearer (the tinker SDK: api_key='tml-' + key)")
+
+    def need_admin(self) -> None:
+        if not self.admin:
+            raise HttpError(403, "this route needs the admin key; a run's key works for that run only")
+
+    def need_run(self, run: Run | None) -> None:
+        if not self.admin and (run is None or run.model_id not in self.run_keys):
+            raise HttpError(403, "this key belongs to another run")
+
+
+def _run(state: ServiceState, model_id: Any) -> Run:
+    try:
+        return state.run(str(model_id))
+    except LookupError as e:
+        raise HttpError(404, str(e)) from None
+
+
+def build_app(make_state: Callable[[], Any]) -> FastAPI:
+    """The app; ``make_state`` is an async context manager factory yielding the ``ServiceState``."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with make_state() as state:
+            app.state.svc = state
+            yield
+
+    app = FastAPI(title="tracegym training service (Tinker API)", lifespan=lifespan)
+
+    @app.exception_handler(HttpError)
+    async def _http_error(request: Request, e: HttpError) -> JSONResponse:
+        return _fail(e.status, str(e))
+
+    def svc(request: Request) -> ServiceState:
+        return request.app.state.svc
+
+    def submit_ordered(state: ServiceState, run: Run, seq_id: Any, kind: str, work: Callable[[], Any],
+                       check: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Claim the run's ``seq_id``, check the request (400: its turn is passed on unused), then run
+        ``work()`` in its turn as a future."""
+        try:
+            seq = run.claim(seq_id if isinstance(seq_id, int) and seq_id > 0 else None)
+        except SeqConflict as e:
+            raise HttpError(409, str(e)) from None
+        gap = state.cfg.gap_timeout
+        try:
+            if check is not None:
+                check()
+        except (ValueError, UserFault) as e:
+            async def skip() -> None:
+                async with run.ordered(seq, gap):
+                    pass
+            state.futures.submit(skip(), "skip")
+            raise HttpError(400, str(e)) from None
+
+        async def ordered() -> Any:
+            async with run.ordered(seq, gap):
+                return await work()
+        return {"request_id": state.futures.submit(ordered(), kind), "model_id": run.model_id}
+
+    # ---------------------------------------------------------------- service, sessions
+
+    @app.get("/api/v1/healthz")
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/api/v1/client/config")
+    async def client_config(request: Request) -> dict[str, Any]:
+        Access(svc(request), request)
+        return CLIENT_CONFIG
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config(request: Request) -> dict[str, Any]:
+        Access(svc(request), request)
+        return {"refresh_interval_sec": 3600, "sample_cancel_enabled": False}
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request) -> dict[str, Any]:
+        Access(svc(request), request)
+        return {"type": "create_session", "session_id": svc(request).new_session()}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request) -> dict[str, str]:
+        Access(svc(request), request)
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry(request: Request) -> dict[str, str]:
+        Access(svc(request), request)
+        return {"status": "accepted"}  # the SDK's own telemetry: accepted and dropped
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities(request: Request) -> dict[str, Any]:
+        state = svc(request)
+        Access(state, request)
+        runs = list(state.runs.values())
+        max_len = runs[0].facts["max_length"] if runs else state.max_length
+        return {"supported_models": [{"model_name": m, "max_context_length": max_len, "trainable": True,
+                                      "sampleable": True} for m in state.model_names()],
+                "losses": _loss_names()}
+
+    # ---------------------------------------------------------------- training runs
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request) -> dict[str, Any]:
+        state, body = svc(request), await _json(request)
+        Access(state, request).need_admin()
+        try:
+            state.check_base_model(str(body.get("base_model")))
+        except UserFault as e:
+            raise HttpError(400, str(e)) from None
+        opt = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if opt != "adamw":
+            raise HttpError(400, f"optimizer {opt!r} is not offered; tracegym trains with adamw")
+        lora = body.get("lora_config")
+        if lora is not None and (not isinstance(lora.get("rank"), int) or lora["rank"] <= 0):
+            raise HttpError(400, "lora_config.rank must be an integer > 0 (lora_config null: full fine-tuning)")
+        model_id = f"{body.get('session_id', 'api')}:train:{body.get('model_seq_id', len(state.runs))}"
+        if model_id in state.runs:
+            raise HttpError(409, f"model_id {model_id!r} exists already: use a new model_seq_id")
+
+        async def work() -> dict[str, Any]:
+            run = await state.create_run(model_id, lora)
+            return {"model_id": run.model_id, "type": "create_model"}
+        return {"request_id": state.futures.submit(work(), "create_model"), "model_id": model_id}
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        state, body = svc(request), await _json(request)
+        run = _run(state, body.get("model_id"))
+        Access(state, request).need_run(run)
+        return {"type": "get_info", "model_id": run.model_id, "is_lora": run.lora_rank is not None,
+                "lora_rank": run.lora_rank, "model_name": run.base_model,
+                "model_data": {"arch": state.arch, "model_name": run.base_model,
+                               "tokenizer_id": str(run.model_dir)}}
+
+    @app.get("/api/v1/training_runs/{model_id}/key")
+    async def run_key(model_id: str, request: Request) -> dict[str, str]:
+        state = svc(request)
+        Access(state, request).need_admin()
+        return {"model_id": model_id, "key": _run(state, model_id).key}
+
+    @app.post("/api/v1/forward_backward")
+    @app.post("/api/v1/forward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        state = svc(request)
+        try:
+            if PROTO in request.headers.get("content-type", ""):
+                call = forward_backward_from_proto(await request.body(), request.headers.get("content-encoding"))
+            else:
+                call = forward_backward_from_json(await _json(request), request.url.path.endswith("/forward"))
+        except BadInput as e:
+            raise HttpError(400, str(e)) from None
+        run = _run(state, call.model_id)
+        Access(state, request).need_run(run)
+
+        async def work() -> bytes | dict[str, Any]:
+            outputs, metrics = await state.forward_backward(run, call)
+            return {"outputs": outputs, "metrics": metrics}
+        return submit_ordered(state, run, call.seq_id, "forward_backward", work, lambda: state.check_call(run, call))
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request) -> dict[str, Any]:
+        state, body = svc(request), await _json(request)
+        run = _run(state, body.get("model_id"))
+        Access(state, request).need_run(run)
+        given = body.get("adam_params") or body.get("optim_params") or {}
+        if body.get("optimizer_params") is not None or not isinstance(given, dict):
+            raise HttpError(400, "optim_step takes adam_params (tracegym trains with adamw)")
+        unknown = sorted(set(given) - set(ADAM_DEFAULTS))
+        if unknown:
+            raise HttpError(400, f"adam_params has no field {unknown[0]!r}; fields: {', '.join(ADAM_DEFAULTS)}")
+        adam = ADAM_DEFAULTS | {k: float(v) for k, v in given.items()}
+        if adam["learning_rate"] < 0 or not 0 <= adam["beta1"] < 1 or not 0 <= adam["beta2"] < 1 or adam["eps"] <= 0:
+            raise HttpError(400, f"adam_params out of range: {adam} (learning_rate >= 0, betas in [0, 1), eps > 0)")
+
+        async def work() -> dict[str, Any]:
+            return {"metrics": await state.optim_step(run, adam)}
+        return submit_ordered(state, run, body.get("seq_id"), "optim_step", work)
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request) -> dict[str, Any]:
+        state, body = svc(request), await _json(request)
+        run = _run(state, body.get("model_id"))
+        Access(state, request).need_run(run)
+
+        async def work() -> dict[str, Any]:
+            return {"path": await state.save_state(run, body.get("path")), "type": "save_weights"}
+        return submit_ordered(state, run, body.get("seq_id"), "save_weights", work)
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        state, body = svc(request), await _json(request)
+        access = Access(state, request)
+        path, optimizer = str(body.get("path")), bool(body.get("optimizer"))
+        if body.get("session_id") is not None:  # a new training run, from a saved state
+            access.need_admin()
+            model_id = f"{body['session_id']}:train:{body.get('model_seq_id', len(state.runs))}"
+            try:
+                _, extra = state.checkpoint_dir(path)
+                if body.get("base_model") not in (None, extra.get("base_model")):
+                    raise UserFault(f"{path} was trained from {extra.get('base_model')!r}, not "
+                                    f"{body.get('base_model')!r}")
+                state.check_base_model(str(extra.get("base_model")))
+            except UserFault as e:
+                raise HttpError(400, str(e)) from None
+            rank = extra.get("lora_rank")
+
+            async def create() -> dict[str, Any]:
+                run = await state.create_run(model_id, None if rank is None else {"rank": rank})
+                await state.load_state(run, path, optimizer)
+                return {"path": path, "model_id": model_id, "type": "load_weights"}
+            return {"request_id": state.futures.submit(create(), "load_weights"), "model_id": model_id}
+        run = _run(state, body.get("model_id"))
+        access.need_run(run)
+
+        async def work() -> dict[str, Any]:
+            await state.load_state(run, path, optimizer)
+            return {"path": path, "model_id": run.model_id, "type": "load_weights"}
+        return submit_ordered(state, run, body.get("seq_id"), "load_weights", work)
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_for_sampler(request: Request) -> dict[str, Any]:
+        state, body = svc(request), await _json(request)
+        run = _run(state, body.get("model_id"))
+        Access(state, request).need_run(run)
+        if body.get("kind", "snapshot") != "snapshot":
+            raise HttpError(400, "only kind='snapshot' sampling clients are offered (not 'inflight')")
+
+        async def work() -> dict[str, Any]:
+            version = await state.inference.publish(run)
+            path = tinker_path(run.model_id, SAMPLER_WEIGHTS, version)
+            out: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
+            if body.get("sampling_session_seq_id") is not None:
+                out["sampling_session_id"] = state.new_sampler(version, run, path).sampler_id
+            return out
+        return submit_ordered(state, run, body.get("seq_id"), "save_weights_for_sampler", work)
+
+    # ---------------------------------------------------------------- sampling
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        state, body = svc(request), await _json(request)
+        access = Access(state, request)
+        try:
+            if body.get("model_path"):
+                sampler = state.sampler_for_path(str(body["model_path"]))
+                access.need_run(sampler.run)
+            else:
+                access.need_admin()
+                state.check_base_model(str(body.get("base_model")))
+                sampler = state.new_sampler("base", None, None)
+        except UserFault as e:
+            raise HttpError(404, str(e)) from None
+        return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
+
+    def _sampler(state: ServiceState, sid: Any) -> Any:
+        sampler = state.samplers.get(str(sid))
+        if sampler is None:
+            raise HttpError(404, f"unknown sampling_session_id {sid!r}: create a sampling client first")
+        return sampler
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
+        state = svc(request)
+        sampler = _sampler(state, sampler_id)
+        Access(state, request).need_run(sampler.run) if sampler.run else Access(state, request)
+        return {"sampler_id": sampler_id, "base_model": state.cfg.model, "model_path": sampler.model_path}
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        state, body = svc(request), await _json(request)
+        if body.get("sampling_session_id") is not None:
+            sampler = _sampler(state, body["sampling_session_id"])
+        elif body.get("model_path"):
+            try:
+                sampler = state.sampler_for_path(str(body["model_path"]))
+            except UserFault as e:
+                raise HttpError(404, str(e)) from None
+        else:
+            raise HttpError(400, "asample needs a sampling_session_id (or a model_path)")
+        access = Access(state, request)
+        if sampler.run is None:
+            access.need_admin()
+        else:
+            access.need_run(sampler.run)
+        prompt, params, n = _sample_args(state, body)
+
+        async def work() -> list[Any]:
+            return await state.sample(sampler, prompt, params, n)
+        rid = state.futures.submit(work(), "sample")
+        return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        state, body = svc(request), await _json(request)
+        Access(state, request)
+        rid = str(body.get("request_id"))
+        if state.futures.get(rid) is None:
+            raise HttpError(404, f"unknown request_id {rid!r} (results are kept for an hour)")
+        item = await state.futures.wait(rid)
+        if item is None:
+            return JSONResponse({"type": "try_again", "request_id": rid, "queue_state": "active"})
+        if item.task.cancelled():
+            return JSONResponse({"error": "the request was cancelled (the service is stopping)",
+                                 "category": "server"})
+        if (e := item.task.exception()) is not None:
+            user = isinstance(e, UserFault | ValueError | LookupError | UnknownNameError)
+            message = str(e) if user else f"{type(e).__name__}: {e}"
+            return JSONResponse({"error": message, "category": "user" if user else "server"})
+        result = item.task.result()
+        proto = PROTO in request.headers.get("accept", "")
+        if item.kind in ("forward_backward", "sample"):
+            from tracegym.trainer.service.wire import forward_backward_output, sample_response
+
+            encoded = (forward_backward_output(result["outputs"], result["metrics"], proto)
+                       if item.kind == "forward_backward" else sample_response(result, proto))
+            if proto:
+                return Response(encoded, media_type=PROTO)
+            return JSONResponse(encoded)
+        return JSONResponse(result)
+
+    @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST"])
+    async def unsupported(rest: str, request: Request) -> JSONResponse:
+        Access(svc(request), request)
+        what = UNSUPPORTED.get(rest.strip("/"))
+        name = rest.split("/")[0]
+        message = (f"tracegym does not offer {what} (/api/v1/{rest})" if what
+                   else f"tracegym does not offer /api/v1/{rest} ({name}); docs/tinker.md lists what it offers")
+        return _fail(404, message)
+
+    return app
+
+
+def _loss_names() -> list[str]:
+    from tracegym.trainer.service.steps import loss_names
+
+    return loss_names()
+
+
+def _sample_args(state: ServiceState, body: dict[str, Any]) -> tuple[list[int], dict[str, Any], int]:
+    chunks = (body.get("prompt") or {}).get("chunks")
+    if not isinstance(chunks, list) or not chunks:
+        raise HttpError(400, "prompt must be {\"chunks\": [{\"tokens\": [...]}]} with at least one token")
+    prompt: list[int] = []
+    for j, c in enumerate(chunks):
+        if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
+            raise HttpError(400, f"prompt.chunks[{j}]: only token chunks (encoded_text) are supported")
+        prompt += [int(t) for t in c.get("tokens") or []]
+    if not prompt:
+        raise HttpError(400, "prompt has no tokens")
+    n = body.get("num_samples", 1)
+    if not isinstance(n, int) or not 1 <= n <= 128:
+        raise HttpError(400, f"num_samples must be an integer in 1..128, got {n!r}")
+    params = dict(body.get("sampling_params") or {})
+    if params.get("top_k", -1) not in (-1, 0, None):
+        raise HttpError(400, "sampling_params.top_k is not supported (leave it at -1)")
+    for flag in ("prompt_logprobs", "record_stability_info"):
+        if body.get(flag):
+            raise HttpError(400, f"{flag} is not supported by tracegym's sampler")
+    for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if body.get(key):
+            raise HttpError(400, f"{key} is not supported by tracegym's sampler")
+    if body.get("target_prompt_logprobs") is not None:
+        raise HttpError(400, "target_prompt_logprobs is not supported by tracegym's sampler")
+    limit = state.max_length
+    if limit and len(prompt) >= limit:
+        raise HttpError(400, f"the prompt has {len(prompt)} tokens; {state.cfg.model} takes fewer than {limit}")
+    return prompt, params, n

@@ -1,0 +1,184 @@
+"""The service's inference side: the gateway (with its engine) that samples are drawn through, so each is a
+span in the store, and the weight versions the service publishes into that engine.
+
+One engine serves one set of weights at a time. A sampler is bound to a version; a sample for a version
+the engine does not serve waits until the samples in flight are done, then the service swaps that
+version's files back in (the gateway's swap path, ``weights.disk`` / ``weights.adapters``, version
+stamped) and samples. The service keeps the files of the last ``keep`` versions; a sampler of an older one
+is refused. ``base`` is the base model as the engine started with it: it can be sampled only until the
+first publish."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tracegym.procs import ManagedProcess, free_port, start_process
+from tracegym.trainer.service.futures import UserFault
+from tracegym.trainer.service.runs import Run
+from tracegym.trainer.service.wire import Sampled
+from tracegym.trainer.settings import LoraConfig
+from tracegym.trainer.weights.adapters import AdapterSync
+from tracegym.trainer.weights.disk import DiskWeightSync
+
+BASE = "base"
+
+
+@dataclass(slots=True)
+class Published:
+    version: str
+    run: Run
+    files: Any
+    """What the sync's ``load`` takes: the weights directory, or ``{adapter: directory}``."""
+    path: Path
+    """The version's directory (removed when pruned)."""
+
+
+class Inference:
+    def __init__(self, gateway_url: str, admin_key: str | None, weights_root: Path, served_model: str, *,
+                 keep: int = 4, proc: ManagedProcess | None = None, timeout: float = 600.0) -> None:
+        self.gateway_url, self.admin_key, self.root = gateway_url.rstrip("/"), admin_key, weights_root
+        self.served_model, self.keep, self.proc, self.timeout = served_model, keep, proc, timeout
+        self.serving = BASE
+        self.published: dict[str, Published] = {}
+        self._order: list[str] = []
+        self._next_version = 1
+        self._cond = asyncio.Condition()
+        self._inflight = 0
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self._http = httpx.AsyncClient(base_url=self.gateway_url, headers=headers, timeout=timeout)
+
+    # ---------------------------------------------------------------- versions
+
+    def sync_for(self, run: Run) -> Any:
+        if run.sync is None:
+            root = self.root / run.safe_id
+            if run.lora_rank is None:
+                run.sync = DiskWeightSync(self.gateway_url, root, timeout=self.timeout, api_key=self.admin_key)
+            else:
+                run.sync = AdapterSync(self.gateway_url, root, LoraConfig(rank=run.lora_rank),
+                                       timeout=self.timeout, api_key=self.admin_key)
+        return run.sync
+
+    async def publish(self, run: Run) -> str:
+        """Write ``run``'s weights as a new version and swap it in; the version."""
+        version = str(self._next_version)
+        self._next_version += 1
+        sync = self.sync_for(run)
+        out = sync.version_dir(version)
+        files = await asyncio.to_thread(sync.save, run.group, out)
+        self.published[version] = Published(version, run, files, out)
+        self._order.append(version)
+        run.published.append(version)
+        await self._swap_to(version)
+        self._prune()
+        return version
+
+    def _prune(self) -> None:
+        while len(self._order) > self.keep:
+            old = next((v for v in self._order if v != self.serving), None)
+            if old is None:
+                return
+            self._order.remove(old)
+            shutil.rmtree(self.published.pop(old).path, ignore_errors=True)
+
+    def check_version(self, version: str) -> None:
+        """``UserFault`` unless ``version`` can be sampled."""
+        if version == BASE:
+            if self.serving != BASE:
+                raise UserFault(f"the base model can be sampled only until the first publish; the engine now "
+                                f"serves version {self.serving}: sample a published version, or start another "
+                                "service for the base model")
+            return
+        if version not in self.published:
+            known = ", ".join(self._order) or "none yet"
+            raise UserFault(f"weight version {version!r} was never published or its files were pruned (the "
+                            f"service keeps the last {self.keep}; kept: {known}): publish with "
+                            "save_weights_for_sampler / save_weights_and_get_sampling_client")
+
+    async def _swap_to(self, version: str) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._inflight == 0)
+            if self.serving != version:
+                p = self.published[version]
+                await asyncio.to_thread(self.sync_for(p.run).load, p.files, version)
+                self.serving = version
+
+    # ---------------------------------------------------------------- sampling
+
+    async def sample(self, version: str, prompt: list[int], params: dict[str, Any], n: int,
+                     rollout_id: str) -> list[Sampled]:
+        self.check_version(version)
+        async with self._cond:
+            while self.serving != version:
+                await self._cond.wait_for(lambda: self._inflight == 0)
+                if self.serving != version:
+                    self.check_version(version)
+                    p = self.published[version]
+                    await asyncio.to_thread(self.sync_for(p.run).load, p.files, version)
+                    self.serving = version
+            self._inflight += 1
+        try:
+            return await self._complete(prompt, params, n, rollout_id)
+        finally:
+            async with self._cond:
+                self._inflight -= 1
+                self._cond.notify_all()
+
+    async def _complete(self, prompt: list[int], params: dict[str, Any], n: int, rollout_id: str) -> list[Sampled]:
+        stop = params.get("stop")
+        stop_ids = set(stop) if isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop) else set()
+        body: dict[str, Any] = {"model": self.served_model, "prompt": prompt, "n": n, "logprobs": 0,
+                                "return_token_ids": True, "temperature": params.get("temperature", 1.0),
+                                "top_p": params.get("top_p", 1.0)}
+        for key in ("max_tokens", "seed"):
+            if params.get(key) is not None:
+                body[key] = params[key]
+        if isinstance(stop, str):
+            body["stop"] = [stop]
+        elif isinstance(stop, list) and stop and not stop_ids:
+            body["stop"] = stop
+        resp = await self._http.post("/v1/completions", json=body, headers={"X-Rollout-Id": rollout_id})
+        if resp.status_code != 200:
+            raise RuntimeError(f"the gateway answered {resp.status_code}: {resp.text[:500]}")
+        out = []
+        for ch in sorted(resp.json()["choices"], key=lambda c: c["index"]):
+            tokens = list(ch["token_ids"])
+            logprobs = [float(x) for x in (ch.get("logprobs") or {}).get("token_logprobs") or []]
+            reason = "length" if ch.get("finish_reason") == "length" else "stop"
+            cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+            if cut is not None:  # a stop token other than the model's EOS: cut after it
+                tokens, logprobs, reason = tokens[: cut + 1], logprobs[: cut + 1], "stop"
+            out.append(Sampled(tokens, logprobs, reason))
+        return out
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        for p in self.published.values():
+            if p.run.sync is not None:
+                p.run.sync.close()
+        if self.proc is not None:
+            self.proc.stop()
+
+
+def start_gateway(model: str, state_dir: Path, store: str, *, log_level: str = "warning") -> tuple[ManagedProcess, str, Path]:
+    """``tracegym serve --engine embedded --model MODEL`` as a child: (process, its admin key, its weights
+    root). The key travels in the child's environment, never on its command line."""
+    port = free_port()
+    key = secrets.token_urlsafe(32)
+    root = (state_dir / "weights").resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    argv = ["tracegym", "serve", "--engine", "embedded", "--model", model, "--port", str(port),
+            "--log-level", log_level]
+    env = {"TRACEGYM_ADMIN_KEY": key, "TRACEGYM_STORE_URL": store, "TRACEGYM_WEIGHTS_DIR": str(root)}
+    env |= {k: v for k in ("TRACEGYM_ENGINE_THREADS",) if (v := os.environ.get(k))}
+    proc = start_process(argv, port=port, log_path=state_dir / "logs" / "gateway.log", health_path="/healthz",
+                         name="gateway", env=env, timeout=300)
+    return proc, key, root

@@ -1,0 +1,219 @@
+"""What the training service holds while it runs (owned by the app's lifespan): sessions, training runs,
+samplers, futures, checkpoints and the inference side; and the operations the routes submit as futures."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tracegym.trainer.service import steps
+from tracegym.trainer.service.futures import FutureStore, UserFault
+from tracegym.trainer.service.inference import BASE, Inference
+from tracegym.trainer.service.runs import Run
+from tracegym.trainer.service.wire import ForwardBackwardCall, Sampled
+
+CHECKPOINTS = "weights"
+"""``tinker://RUN/weights/NAME``: a training state (our checkpoint: model, optimizer, step)."""
+SAMPLER_WEIGHTS = "sampler_weights"
+"""``tinker://RUN/sampler_weights/VERSION``: a published weight version."""
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    model: str
+    """The base model's name (``tracegym models``), the only one this service trains and samples."""
+    model_dir: Path
+    state_dir: Path
+    admin_key: str | None = None
+    torch_threads: int | None = None
+    micro_batch_tokens: int = 4096
+    gap_timeout: float = 300.0
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Sampler:
+    sampler_id: str
+    version: str
+    run: Run | None
+    model_path: str | None
+    seq: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+
+def tinker_path(model_id: str, kind: str, name: str) -> str:
+    return f"tinker://{model_id}/{kind}/{name}"
+
+
+def parse_path(path: str, kind: str) -> tuple[str, str]:
+    """``(run, name)`` of ``tinker://RUN/KIND/NAME``; ``UserFault`` for anything else."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] != kind or not all(parts):
+        raise UserFault(f"path {path!r} is not tinker://RUN/{kind}/NAME")
+    return parts[0], parts[2]
+
+
+class ServiceState:
+    def __init__(self, cfg: ServiceConfig, inference: Inference) -> None:
+        self.cfg, self.inference = cfg, inference
+        self.futures = FutureStore()
+        self.sessions: set[str] = set()
+        self.runs: dict[str, Run] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._sampler_ids = itertools.count(1)
+        config = json.loads((cfg.model_dir / "config.json").read_text())
+        self.arch = str(config.get("model_type", ""))
+        self.max_length = int(config.get("max_position_embeddings") or 0)  # 0: unknown
+
+    # ---------------------------------------------------------------- sessions, runs
+
+    def new_session(self) -> str:
+        sid = f"s-{secrets.token_hex(6)}"
+        self.sessions.add(sid)
+        return sid
+
+    def check_base_model(self, name: str) -> None:
+        if name not in self.model_names():
+            raise UserFault(f"unknown base model {name!r}; this service trains: {', '.join(self.model_names())}")
+
+    def model_names(self) -> list[str]:
+        return [self.cfg.model]
+
+    def run(self, model_id: str) -> Run:
+        try:
+            return self.runs[model_id]
+        except KeyError:
+            known = ", ".join(self.runs) or "none"
+            raise LookupError(f"unknown model_id {model_id!r} (training runs: {known})") from None
+
+    async def create_run(self, model_id: str, lora: dict[str, Any] | None) -> Run:
+        if model_id in self.runs:
+            raise UserFault(f"model_id {model_id!r} exists already")
+        rank = None if lora is None else int(lora["rank"])
+        group = await asyncio.to_thread(self._worker_group, rank, lora)
+        facts = (await asyncio.to_thread(group.run_on_ranks, steps.model_facts))[0]
+        run = Run(model_id, self.cfg.model, rank, group, self.cfg.model_dir, facts)
+        self.runs[model_id] = run
+        return run
+
+    def _worker_group(self, rank: int | None, lora: dict[str, Any] | None) -> Any:
+        from tracegym.trainer.settings import LoraConfig, OptimConfig
+        from tracegym.trainer.workers.group import WorkerGroup
+        from tracegym.trainer.workers.train_config import TrainConfig
+
+        lora_cfg = None
+        if rank is not None:
+            assert lora is not None
+            lora_cfg = LoraConfig(rank=rank, target_modules=lora_targets(self.cfg.model_dir, lora))
+        seed = self.cfg.seed if lora is None or lora.get("seed") is None else int(lora["seed"])
+        cfg = TrainConfig(optim=OptimConfig(dtype="float32", micro_batch_tokens=self.cfg.micro_batch_tokens),
+                          lora=lora_cfg, seed=seed, torch_threads=self.cfg.torch_threads, entropy_tokens=0)
+        return WorkerGroup(self.cfg.model_dir, num_workers=1, train_cfg=cfg, use_ray=False)
+
+    # ---------------------------------------------------------------- training operations
+
+    def check_call(self, run: Run, call: ForwardBackwardCall) -> None:
+        """Everything about a forward_backward that can be checked before it runs (``ValueError``)."""
+        required = steps.check_loss(call.loss_fn, call.loss_fn_config)
+        if not call.data:
+            raise ValueError("forward_backward needs at least one datum")
+        vocab, max_len = run.facts["vocab_size"], run.facts["max_length"]
+        for i, d in enumerate(call.data):
+            if max_len and len(d.tokens) + 1 > max_len:
+                raise ValueError(f"data[{i}] has {len(d.tokens)} tokens; {run.base_model} takes at most "
+                                 f"{max_len - 1} input tokens: truncate or split it")
+            for name, ids in (("model_input", d.tokens), ("target_tokens", d.targets)):
+                if ids.min() < 0 or ids.max() >= vocab:
+                    raise ValueError(f"data[{i}].{name} holds token id {int(ids.max() if ids.max() >= vocab else ids.min())}"
+                                     f" outside the vocabulary [0, {vocab})")
+            missing = [k for k in required if k not in d.inputs]
+            if missing:
+                raise ValueError(f"data[{i}].loss_fn_inputs lacks {missing} (loss_fn {call.loss_fn!r} needs "
+                                 f"target_tokens, {', '.join(required)})")
+
+    async def forward_backward(self, run: Run, call: ForwardBackwardCall) -> tuple[list, dict[str, float]]:
+        fn = steps.forward if call.forward_only else steps.forward_backward
+        out = await asyncio.to_thread(run.group.run_on_ranks, fn, call.data, call.loss_fn, call.loss_fn_config)
+        return out[0]
+
+    async def optim_step(self, run: Run, adam: dict[str, float]) -> dict[str, float]:
+        try:
+            out = await asyncio.to_thread(run.group.run_on_ranks, steps.optim_step, adam)
+        except steps.NoGradientsError as e:
+            raise UserFault(str(e)) from None
+        return out[0]
+
+    async def save_state(self, run: Run, name: str | None) -> str:
+        name = name or f"step-{run.group.step:06d}"
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise UserFault(f"checkpoint name {name!r} must be letters, digits, '-', '_' and '.'")
+        d = self.cfg.state_dir / "checkpoints" / run.safe_id / name
+        extra = {"base_model": run.base_model, "lora_rank": run.lora_rank, "model_id": run.model_id}
+        await asyncio.to_thread(run.group.save_checkpoint, d, extra)
+        return tinker_path(run.model_id, CHECKPOINTS, name)
+
+    def checkpoint_dir(self, path: str) -> tuple[Path, dict[str, Any]]:
+        owner, name = parse_path(path, CHECKPOINTS)
+        d = self.cfg.state_dir / "checkpoints" / owner.replace(":", "_") / name
+        state_file = d / "trainer_state.json"
+        if not state_file.is_file():
+            raise UserFault(f"no checkpoint at {path} (save one with save_state)")
+        return d, json.loads(state_file.read_text())["extra"]
+
+    async def load_state(self, run: Run, path: str, optimizer: bool) -> None:
+        d, extra = self.checkpoint_dir(path)
+        if extra.get("lora_rank") != run.lora_rank:
+            raise UserFault(f"{path} was saved by a run with LoRA rank {extra.get('lora_rank')}, this run has "
+                            f"{run.lora_rank}: create a training client from that state instead")
+        await asyncio.to_thread(run.group.load_checkpoint, d)
+        if not optimizer:
+            await asyncio.to_thread(run.group.run_on_ranks, steps.reset_optimizer)
+
+    # ---------------------------------------------------------------- sampling
+
+    def new_sampler(self, version: str, run: Run | None, model_path: str | None) -> Sampler:
+        self.inference.check_version(version)
+        sid = f"sampler-{next(self._sampler_ids)}"
+        self.samplers[sid] = Sampler(sid, version, run, model_path)
+        return self.samplers[sid]
+
+    def sampler_for_path(self, model_path: str) -> Sampler:
+        owner, version = parse_path(model_path, SAMPLER_WEIGHTS)
+        p = self.inference.published.get(version)
+        if p is None or p.run.model_id != owner:
+            self.inference.check_version("never" if p is None else version)
+            raise UserFault(f"{model_path}: version {version} was published by {p.run.model_id}, not {owner}")
+        return self.new_sampler(version, p.run, model_path)
+
+    async def sample(self, sampler: Sampler, prompt: list[int], params: dict[str, Any], n: int) -> list[Sampled]:
+        rollout = f"tinker-{sampler.sampler_id}-{next(sampler.seq)}"
+        return await self.inference.sample(sampler.version, prompt, params, n, rollout)
+
+    async def close(self) -> None:
+        await self.futures.close()
+        for run in self.runs.values():
+            run.group.shutdown()
+        await self.inference.close()
+
+
+def lora_targets(model_dir: Path, lora: dict[str, Any]) -> list[str] | None:
+    """The LoRA ``target_modules`` for the API's ``train_attn`` / ``train_mlp`` (None: the family's
+    default, both). ``train_unembed`` is not offered: the output layer is never adapted."""
+    attn, mlp = lora.get("train_attn", True), lora.get("train_mlp", True)
+    if not attn and not mlp:
+        raise UserFault("train_attn and train_mlp are both false: LoRA would adapt nothing here (the output "
+                        "layer, train_unembed, is not adapted by tracegym)")
+    if attn and mlp:
+        return None
+    from tracegym.trainer.workers.lora import default_targets
+
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    want = {"q_proj", "k_proj", "v_proj", "o_proj"} if attn else {"gate_proj", "up_proj", "down_proj"}
+    return [t for t in default_targets(model_type) if t in want]
+
+
+__all__ = ["BASE", "ServiceConfig", "ServiceState"]

@@ -65,9 +65,10 @@ def warn_visible_password(args: argparse.Namespace) -> None:
 def settings_from_args(args: argparse.Namespace, upstream_url: str | list[str] | None, kind: str) -> GatewaySettings:
     store = store_url(args)
     urls = [upstream_url] if isinstance(upstream_url, str) else list(upstream_url or [])
+    chat_format = getattr(args, "chat_format", None)
     return GatewaySettings(
         upstream_url=urls[0] if urls else None, upstream_urls=urls[1:], upstream_kind=kind, model=args.model,
-        store_url=store,
+        store_url=store, **({"chat_format": chat_format} if chat_format else {}),
         max_body_bytes=args.max_body_bytes, upstream_timeout=args.upstream_timeout, freeze_gc=True,
         switch_interval_s=SERVE_SWITCH_INTERVAL_S, durability=getattr(args, "durability", "commit"),
         max_tokens_cap=getattr(args, "max_tokens_cap", None), **security_settings(args),
@@ -113,7 +114,24 @@ def check_binding(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_chat_format(args: argparse.Namespace) -> None:
+    """SystemExit naming the known families when ``--chat-format`` (else ``$TRACEGYM_CHAT_FORMAT``) names none:
+    before any engine starts."""
+    from tracegym.gateway.proxy.prompt.families import UnknownChatFormat, family
+
+    given = getattr(args, "chat_format", None)
+    name = given or os.environ.get("TRACEGYM_CHAT_FORMAT")
+    if not name:
+        return
+    try:
+        family(name)
+    except UnknownChatFormat as e:
+        source = "--chat-format" if given else "$TRACEGYM_CHAT_FORMAT"
+        raise SystemExit(f"tracegym serve: {source}: {e}") from None
+
+
 def _check_args(args: argparse.Namespace) -> None:
+    check_chat_format(args)
     if args.engine == "embedded":
         if args.upstream:
             raise SystemExit("tracegym serve: --engine embedded and --upstream are mutually exclusive")

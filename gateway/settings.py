@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SERVE_SWITCH_INTERVAL_S = 0.0005
@@ -40,6 +40,7 @@ class GatewaySettings(BaseSettings):
     chat_format: str | None = None
     """The model family to render and parse with (``prompt/families``: ``chatml``, ``qwen3``, ``llama3``,
     ``gemma3``, ``deepseek_v3``, ``gpt_oss``; default: recognised from the tokenizer, docs/model-families.md)."""
+
     store_url: str | None = "sqlite:///./tracegym.db"
     """SQLAlchemy URL of the trace store; None turns recording (and the control API) off."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
@@ -107,3 +108,12 @@ class GatewaySettings(BaseSettings):
     """Seconds a request may take to send its body once its headers are in; then 408 and closed."""
     max_connections: int = Field(default=4096, gt=0)
     """Open connections ``tracegym serve`` keeps; one more is closed at once."""
+
+    @field_validator("chat_format")
+    @classmethod
+    def _known_family(cls, name: str | None) -> str | None:
+        if name is not None:
+            from tracegym.gateway.proxy.prompt.families import family
+
+            family(name)  # an UnknownChatFormat (a ValueError) lists the families
+        return name

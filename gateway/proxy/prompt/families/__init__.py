@@ -31,7 +31,7 @@ def family(name: str) -> Family:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise UnknownChatFormat(f"unknown chat format {name!r}; known: {', '.join(FAMILIES)}") from None
+        raise UnknownChatFormat(f"unknown chat format {name!r}; the families are: {', '.join(FAMILIES)}") from None
 
 
 def detect(template: str, tokens: Collection[str], *, where: str = "the tokenizer") -> Family:
@@ -43,5 +43,6 @@ def detect(template: str, tokens: Collection[str], *, where: str = "the tokenize
         f"{where}: no model family recognised; looked for the added tokens or template markers "
         "<|channel|> (gpt_oss), <｜tool▁calls▁begin｜> (deepseek_v3), <|start_header_id|> (llama3), "
         "<start_of_turn> (gemma3), <|im_start|> with <tool_call> and reasoning_content (qwen3), "
-        f"<|im_start|> (chatml). Pass an explicit chat format (one of {', '.join(FAMILIES)}) to use one anyway")
+        f"<|im_start|> (chatml). Name the family to use one anyway: tracegym serve --chat-format NAME (or "
+        f"$TRACEGYM_CHAT_FORMAT), NAME one of {', '.join(FAMILIES)}")
 

@@ -21,7 +21,7 @@ def test_unknown_tokenizer_is_a_clear_error_and_an_override_works(tiny_model_dir
     assert base.family.name == "chatml"
     with pytest.raises(UnknownChatFormat, match=r"looked for .*<\|channel\|> \(gpt_oss\).*chatml"):
         detect("{{ messages[0].content }}", {"<s>", "</s>"}, where="/models/x")
-    with pytest.raises(UnknownChatFormat, match="known: gpt_oss, deepseek_v3"):
+    with pytest.raises(UnknownChatFormat, match="the families are: gpt_oss, deepseek_v3"):
         family("mistral")
     forced = ChatTokenizer(base.tokenizer, base.templates, base.special_tokens, chat_format="llama3")
     assert forced.family is FAMILIES["llama3"]

@@ -183,6 +183,12 @@ class RayConfig(_Section):
     gpus_per_worker: float = Field(
         0.0, ge=0, description="GPUs each trainer worker reserves (1 = one GPU per FSDP2 rank, NCCL); 0 = CPU (gloo)."
     )
+    placement: Literal["STRICT_SPREAD", "SPREAD", "STRICT_PACK", "PACK"] | None = Field(
+        None,
+        description="Reserve the ranks together as one Ray placement group with this strategy: `STRICT_SPREAD`"
+        " = every rank on a different node, `STRICT_PACK` = all on one node, `SPREAD` / `PACK` = as far as"
+        " possible. Unset = Ray places each rank on its own (ranks may share a node).",
+    )
 
     @field_validator("address")
     @classmethod

@@ -92,6 +92,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     'ray.runtime_env': {},
     'ray.cpus_per_worker': 1.0,
     'ray.gpus_per_worker': 0.0,
+    'ray.placement': None,
     'eval_samples': 2,
     'eval_interval': 20,
     'run_dir': None,

@@ -173,6 +173,9 @@ class Trainer(ObjectiveSteps):
             raise RecipeError(str(e)) from None
         if recipe.ray is not None and recipe.ray.address is not None:
             print(f"ray: joined the cluster at {recipe.ray.address}", file=sys.stderr, flush=True)
+        if recipe.ray is not None and recipe.ray.placement is not None:
+            print(f"ray: {recipe.workers} ranks placed {recipe.ray.placement} on nodes {', '.join(self.workers.nodes)}",
+                  file=sys.stderr, flush=True)
         self.lora = getattr(train_cfg, "lora", None)
         # keep=1: once the engine has loaded a version, only the newest is needed (resume writes the
         # checkpoint's weights again), and it is the run's trained model

@@ -18,7 +18,7 @@ from tracegym.trainer.algorithms.losses import loss_scales
 from tracegym.trainer.settings import RayConfig
 from tracegym.trainer.workers.batches import TrainBatch, TrainSample, combine_metrics, plan_pairs, plan_step
 from tracegym.trainer.workers.lora import check_checkpoint_base
-from tracegym.trainer.workers.ray_cluster import check_fits, connect
+from tracegym.trainer.workers.ray_cluster import check_fits, connect, reserve, scheduling
 from tracegym.trainer.workers.train_config import TrainConfig
 from tracegym.trainer.workers.worker import TrainWorker
 
@@ -32,8 +32,8 @@ class WorkerGroup:
     without (only with ``num_workers=1``) the very same class runs in the calling process, so one worker
     needs no Ray at all (no cluster, no ``local_mode``). With one rank there is no process group and no
     sharding (``fsdp.shard_model``); everything else (batching, loss, clipping, AdamW, checkpoints,
-    weight export) is the same code. ``ray_settings``: the cluster to start or join, and the CPUs and GPUs
-    each actor reserves (``ray_cluster``)."""
+    weight export) is the same code. ``ray_settings``: the cluster to start or join, the CPUs and GPUs
+    each actor reserves, and whether the ranks are reserved together as a placement group (``ray_cluster``)."""
 
     def __init__(
         self,
@@ -51,6 +51,8 @@ class WorkerGroup:
         self.cfg, self.world_size, self.use_ray, self._owns_ray = train_cfg, num_workers, use_ray, False
         self.model_path = Path(model_path)
         self._workers: list[Any] = []
+        self._placement: Any = None
+        self.nodes: list[str] = []
         try:
             if use_ray:
                 import ray
@@ -60,13 +62,19 @@ class WorkerGroup:
                     rs = rs.model_copy(update={"gpus_per_worker": 1.0})  # a CUDA rank needs a GPU of its own
                 self._owns_ray = connect(rs)
                 check_fits(num_workers, rs, started_here=self._owns_ray)
+                if rs.placement is not None:
+                    self._placement = reserve(num_workers, rs)
                 actor = ray.remote(num_cpus=rs.cpus_per_worker, num_gpus=rs.gpus_per_worker)(TrainWorker)
                 for r in range(num_workers):  # appended one by one: a failure kills the ones made
-                    self._workers.append(actor.remote(str(model_path), train_cfg, r, num_workers))
-                addr, port = ray.get(self._workers[0].address.remote())
+                    opts = scheduling(self._placement, r)
+                    self._workers.append(actor.options(**opts).remote(str(model_path), train_cfg, r, num_workers))
+                addresses = ray.get([w.address.remote() for w in self._workers])
             else:
                 self._workers = [TrainWorker(str(model_path), train_cfg, 0, 1)]
-                addr, port = "127.0.0.1", 0
+                addresses = [("127.0.0.1", 0)]
+            self.nodes = [ip for ip, _ in addresses]
+            """The address of each rank's node (Ray's node IP; 127.0.0.1 in-process), by rank."""
+            addr, port = addresses[0]
             self._call_all("setup", [(addr, port)] * num_workers)
         except BaseException:
             self.shutdown()  # the actors (and a Ray this group started) must not outlive a failed setup
@@ -179,9 +187,9 @@ class WorkerGroup:
         return self._same("run", fn, *args)
 
     def shutdown(self) -> None:
-        """Close every rank, kill the actors and stop a Ray this group started (a joined cluster is only
-        disconnected from: ``ray_cluster.connect``); best effort (a dead or half-set-up actor does not
-        keep the others, or Ray, alive). Safe to call twice."""
+        """Close every rank, kill the actors, remove their placement group and stop a Ray this group
+        started (a joined cluster is only disconnected from: ``ray_cluster.connect``); best effort (a dead
+        or half-set-up actor does not keep the others, or Ray, alive). Safe to call twice."""
         workers, self._workers = self._workers, []
         try:
             if not self.use_ray:
@@ -195,6 +203,11 @@ class WorkerGroup:
                     if ref is not None:
                         _best_effort(f"closing rank {r}", ray.get, ref, timeout=60)
                     _best_effort(f"killing rank {r}", ray.kill, w)
+            if self._placement is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                placement, self._placement = self._placement, None
+                _best_effort("removing the placement group", remove_placement_group, placement)
         finally:
             if self._owns_ray:
                 import ray

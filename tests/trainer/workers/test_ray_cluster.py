@@ -1,7 +1,8 @@
 """Where the trainer's Ray workers run (``trainer/workers/ray_cluster.py``): the recipe's ``ray`` section reaches
-``ray.init``, a joined cluster is never started nor stopped by the trainer, and workers that cannot be
-placed fail at once instead of hanging. ``ray.init`` is replaced here; the real clusters run in
-``tests/e2e/test_train_ray.py``."""
+``ray.init``, a joined cluster is never started nor stopped by the trainer, workers that cannot be
+placed fail at once instead of hanging, and ``ray.placement`` reserves the ranks as one placement group.
+``ray.init`` is replaced here, but for the slow test, which places two ranks on a real cluster of two
+nodes; ``tests/e2e/test_train_ray.py`` and ``tests/e2e/test_ray_containers.py`` run whole trainings."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tracegym.trainer.recipe import load_recipe
+from tracegym.trainer.recipe import RecipeError, load_recipe
 from tracegym.trainer.settings import RayConfig
-from tracegym.trainer.workers.ray_cluster import PlacementError, check_fits, connect
+from tracegym.trainer.workers.ray_cluster import PlacementError, check_fits, connect, placement_problem
 from tracegym.trainer.workers.train_config import TrainConfig
 
 
@@ -177,3 +178,106 @@ def test_a_cluster_that_refuses_the_driver_is_a_one_line_error(monkeypatch: pyte
     with pytest.raises(ConnectionError) as plain:  # a local Ray that fails to start is not a join error
         connect(RayConfig())
     assert type(plain.value) is ConnectionError
+
+
+def test_placement_is_one_of_rays_strategies(tmp_path: Path) -> None:
+    assert _settings(tmp_path, None).placement is None  # Ray places each rank on its own
+    for strategy in ("STRICT_SPREAD", "SPREAD", "STRICT_PACK", "PACK"):
+        assert _settings(tmp_path, {"placement": strategy}).placement == strategy
+    with pytest.raises(RecipeError, match=r"ray\.placement.*'STRICT_SPREAD', 'SPREAD', 'STRICT_PACK' or 'PACK'"):
+        _settings(tmp_path, {"placement": "spread"})
+
+
+NODE = {"CPU": 2.0, "memory": 1e9}
+
+
+@pytest.mark.parametrize(("workers", "ray", "nodes", "problem"), [
+    (2, {"placement": "STRICT_SPREAD"}, [NODE, NODE], None),
+    (3, {"placement": "STRICT_SPREAD"}, [NODE, NODE], "STRICT_SPREAD puts each of the 3 trainer workers on a node"
+     " of its own, and 2 of the cluster's 2 nodes offer 1 CPU: add nodes, lower workers, or unset ray.placement"),
+    (2, {"placement": "STRICT_SPREAD", "cpus_per_worker": 2}, [NODE, {"CPU": 1.0}, {"CPU": 1.0}], "and 1 of the"
+     " cluster's 3 nodes offer 2 CPU"),
+    (2, {"placement": "STRICT_SPREAD", "gpus_per_worker": 1}, [NODE | {"GPU": 1.0}, NODE | {"GPU": 1.0}], None),
+    (4, {"placement": "STRICT_PACK"}, [NODE, NODE], "STRICT_PACK puts all 4 trainer workers on one node, and no"
+     " node offers 4 x 1 CPU: lower workers, or use PACK"),
+    (2, {"placement": "STRICT_PACK"}, [{"CPU": 1.0}, NODE], None),
+    (4, {"placement": "PACK"}, [NODE, NODE], None),  # as far as possible: the totals are enough
+    (4, {"placement": "SPREAD"}, [NODE, {"CPU": 1.0}], "4 trainer workers need 4 CPUs (the cluster has 3)"),
+    (3, {}, [NODE, NODE], None),
+])
+def test_what_a_placement_needs_of_the_nodes(
+    tmp_path: Path, workers: int, ray: dict[str, Any], nodes: list[dict[str, float]], problem: str | None
+) -> None:
+    got = placement_problem(workers, _settings(tmp_path, ray), nodes)
+    assert got == problem if problem is None else problem in (got or "")
+
+
+def test_a_strict_spread_that_a_local_ray_cannot_hold_fails_at_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Ray the trainer starts is one node: STRICT_SPREAD over two ranks is an error (exit 2), not a
+    placement group that stays pending; a joined cluster may still add nodes (a warning)."""
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    FakeRay(monkeypatch)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}},
+                                               {"Alive": False, "Resources": {"CPU": 2.0}}])
+    check_fits(2, RayConfig(placement="STRICT_PACK"), started_here=True)
+    with pytest.raises(PlacementError, match=r"STRICT_SPREAD puts each of the 2 trainer workers on a node of its"
+                                             r" own, and 1 of the cluster's 1 nodes offer 1 CPU"):
+        check_fits(2, RayConfig(placement="STRICT_SPREAD"), started_here=True)
+    with caplog.at_level(logging.WARNING, logger="tracegym.trainer.workers.ray_cluster"):
+        check_fits(2, RayConfig(address="head:6379", placement="STRICT_SPREAD"), started_here=True)
+    assert "STRICT_SPREAD puts each" in caplog.text and "waiting for the cluster to grow" in caplog.text
+
+
+def _node_id(_worker: Any) -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_strict_spread_puts_the_ranks_on_two_nodes_that_ray_would_pack(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real cluster of two nodes with 4 CPUs each (``ray.cluster_utils.Cluster``: two raylets on this
+    machine), two ranks of one CPU joined to it: Ray's default scheduling packs them on one node, and
+    ``placement: STRICT_SPREAD`` puts them on both; its placement group is gone after ``shutdown``."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+    from ray.cluster_utils import Cluster
+
+    from tracegym.trainer.settings import OptimConfig
+    from tracegym.trainer.workers.group import WorkerGroup
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers need not import tests/
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=4)
+        cluster.wait_for_nodes()
+        cfg = TrainConfig(optim=OptimConfig(dtype="float32"), torch_threads=1)
+        placed = {}
+        for placement in (None, "STRICT_SPREAD"):
+            rs = RayConfig(address=cluster.address, placement=placement)
+            group = WorkerGroup(tiny_model_dir, num_workers=2, train_cfg=cfg, use_ray=True, ray_settings=rs)
+            try:
+                placed[placement] = group.run_on_ranks(_node_id)
+                assert len(group.nodes) == 2
+            finally:
+                group.shutdown()
+        assert len(set(placed[None])) == 1, placed  # packed: the test below can fail
+        assert len(set(placed["STRICT_SPREAD"])) == 2, placed
+        ray.init(address=cluster.address)
+        try:
+            tables = ray.util.placement_group_table().values()
+            assert [t["state"] for t in tables] == ["REMOVED"], tables
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()

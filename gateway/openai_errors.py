@@ -1,5 +1,6 @@
 """OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}`` for every failure, and the
-exception handlers that produce it (validation failures are 400, never 422)."""
+exception handlers that produce it (validation failures are 400, never 422; a store whose database is
+out of reach is 503)."""
 
 from __future__ import annotations
 
@@ -202,6 +203,33 @@ def internal_error(exc: BaseException, where: str) -> Response:
                                           "the details", type="server_error", code="internal_error"))
 
 
+STORE_UNAVAILABLE = "the trace store is unavailable (its database did not answer): retry shortly"
+
+
+def store_outage_errors() -> tuple[type[Exception], ...]:
+    """What SQLAlchemy raises while the store's database is out of reach: stopped or restarting (a
+    refused or closed connection, "the database system is shutting down"), or out of connections (the
+    pool's timeout)."""
+    from sqlalchemy import exc
+
+    return exc.OperationalError, exc.InterfaceError, exc.TimeoutError
+
+
+def store_unavailable(exc: BaseException) -> OpenAIError | None:
+    """The 503 for a request that failed because the store's database is out of reach (a client retries
+    it), or None for any other error."""
+    if not isinstance(exc, store_outage_errors()):
+        return None
+    log.warning("the trace store is unavailable: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return OpenAIError(503, STORE_UNAVAILABLE, type="server_error", code="store_unavailable")
+
+
+async def _store_unavailable(_: Request, exc: Exception) -> Response:
+    error = store_unavailable(exc)
+    assert error is not None
+    return error_response(error.status, error.body())
+
+
 async def _unhandled(request: Request, exc: Exception) -> Response:
     return internal_error(exc, request.url.path)
 
@@ -216,4 +244,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(RecursionError, _too_deep)
+    for cls in store_outage_errors():  # a 503, not a 500: the client retries once the store is back
+        app.add_exception_handler(cls, _store_unavailable)
     app.add_exception_handler(Exception, _unhandled)

@@ -19,7 +19,13 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.openai_errors import OpenAIError, error_body, error_response, internal_error
+from tracegym.gateway.openai_errors import (
+    OpenAIError,
+    error_body,
+    error_response,
+    internal_error,
+    store_unavailable,
+)
 from tracegym.gateway.proxy.admission import Admission
 from tracegym.gateway.proxy.anthropic.messages_routes import count_tokens, create_message
 from tracegym.gateway.proxy.auth import TOKEN_ROLLOUT, Denial
@@ -152,15 +158,23 @@ class GatewayFront:
         except OpenAIError as e:
             response = error_response(e.status, e.body())
         except Exception as e:
-            response = internal_error(e, scope["path"])
+            down = store_unavailable(e)
+            response = internal_error(e, scope["path"]) if down is None else error_response(503, down.body())
         await response(scope, receive, send)
 
 
 async def _ended(admission: Admission, services: Services, scope: Scope, rollout_id: str) -> Denial | None:
-    """The 409 for a rollout token's write (a POST but a token count) into its ended rollout."""
+    """The 409 for a rollout token's write (a POST but a token count) into its ended rollout (a 503 while
+    the store is out of reach)."""
     if scope["method"] != "POST" or scope["path"].endswith("/count_tokens"):
         return None
-    status = await admission.rollouts.ended_status(services.store, rollout_id)
+    try:
+        status = await admission.rollouts.ended_status(services.store, rollout_id)
+    except Exception as e:
+        down = store_unavailable(e)
+        if down is None:
+            raise
+        return Denial(503, down.message, "store_unavailable")
     if status is None:
         return None
     return Denial(409, f"rollout {rollout_id!r} has ended ({status}): its token can no longer add calls, "

@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from tracegym.gateway.deps import Services
-from tracegym.gateway.openai_errors import OpenAIError, bad_request
+from tracegym.gateway.openai_errors import OpenAIError, bad_request, store_unavailable
 from tracegym.gateway.proxy.anthropic.anthropic_errors import error_body, error_response
 from tracegym.gateway.proxy.anthropic.body import non_stream_body
 from tracegym.gateway.proxy.anthropic.request import chat_request, parse_messages
@@ -36,6 +36,9 @@ def anthropic_errors(handler: InferenceHandler) -> InferenceHandler:
         except ClientDisconnect:
             raise
         except Exception as e:
+            down = store_unavailable(e)
+            if down is not None:
+                return error_response(down)
             log.exception("unhandled error in %s", request.url.path)
             return Response(orjson.dumps(error_body(500, f"internal error: {type(e).__name__}: {e}")),
                             status_code=500, media_type="application/json")

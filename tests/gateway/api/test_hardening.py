@@ -131,3 +131,21 @@ def test_body_and_inflated_size_limits(tmp_path: Path, tiny_model_dir: Path) -> 
                                                              "Content-Encoding": "deflate"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert client.post("/api/tasks", json={"tasks": [{"input": 1}]}).status_code == 201
+
+
+def test_a_store_out_of_reach_is_a_503_to_retry(client: TestClient, store: Store,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database that is stopped or restarting (SQLAlchemy's OperationalError) is a 503 in the API's
+    shape, naming no SQL: the client retries (tests/e2e/test_store_restart.py restarts a real PostgreSQL)."""
+    import sqlalchemy as sa
+
+    def down(*a: object, **k: object) -> None:
+        raise sa.exc.OperationalError("SELECT secret FROM t", {"p": "sk-very-secret"},
+                                      Exception("the database system is shutting down"))
+
+    monkeypatch.setattr(store, "list_weight_versions", down)
+    r = client.get("/api/weight_versions")
+    assert r.status_code == 503, r.text
+    assert r.json()["error"] == {"message": "the trace store is unavailable (its database did not answer): retry "
+                                 "shortly", "type": "server_error", "param": None, "code": "store_unavailable"}
+    assert "sk-very-secret" not in r.text and "SELECT" not in r.text

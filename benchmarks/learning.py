@@ -241,7 +241,9 @@ def run_product(args: argparse.Namespace) -> dict[str, Any]:
         t0, wall0 = time.monotonic(), time.time()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with (work / "train.log").open("w") as log:
-            proc = subprocess.run([str(Path(sys.executable).parent / "tracegym"), "train", "recipe.yaml"], cwd=work, env=env,
+            exe = Path(sys.executable).parent / "tracegym"  # this interpreter's, else the one on PATH
+            cli = str(exe) if exe.exists() else shutil.which("tracegym") or "tracegym"
+            proc = subprocess.run([cli, "train", "recipe.yaml"], cwd=work, env=env,
                                   stdout=log, stderr=subprocess.STDOUT, check=False)
         wall = time.monotonic() - t0
         if proc.returncode != 0:

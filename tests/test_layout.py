@@ -54,9 +54,10 @@ def test_gateway_rooms_are_layered() -> None:
 
 
 def test_trainer_rooms_are_layered_and_each_has_its_tests() -> None:
-    """run over workers and weights over algorithms; the top level holds only the recipe and its sections."""
-    assert _layers("tracegym.trainer") == ["run", "workers | weights", "algorithms"]
-    assert _rooms("trainer") == ["algorithms", "run", "weights", "workers"]
+    """run and the training service over workers and weights over algorithms; the top level holds only the
+    recipe and its sections."""
+    assert _layers("tracegym.trainer") == ["run | service", "workers | weights", "algorithms"]
+    assert _rooms("trainer") == ["algorithms", "run", "service", "weights", "workers"]
     assert sorted(p.name for p in (ROOT / "trainer").glob("*.py")) == ["__init__.py", "recipe.py", "settings.py"]
     for room in _rooms("trainer"):
         assert (ROOT / "tests" / "trainer" / room / "__init__.py").is_file(), room

@@ -256,15 +256,22 @@ class RolloutFilters(QueryModel):
     with_events: bool = False
     """Each rollout with its ``rewards`` and ``events``, as ``GET /api/rollouts/{id}`` shows them (one query
     for the page instead of a request per rollout)."""
+    with_tool_parse: bool = True
+    """Each rollout with ``tool_parse``: its calls by how their tool-call parse went (one query for the
+    page; a poller that only follows statuses turns it off)."""
 
 
 @router.get("/rollouts", responses=error_responses(400))
 def list_rollouts(filters: Annotated[RolloutFilters, Query()], store: StoreDep) -> Response:
-    rollouts, cursor = _call(store.list_rollouts, **filters.model_dump(exclude={"with_events"}))
+    rollouts, cursor = _call(store.list_rollouts, **filters.model_dump(exclude={"with_events", "with_tool_parse"}))
     if filters.with_events:
         events = store.list_events_many([r["rollout_id"] for r in rollouts])
         for r in rollouts:
             _attach_events(r, events.get(r["rollout_id"], []))
+    if filters.with_tool_parse:
+        counts = store.tool_parse_counts([r["rollout_id"] for r in rollouts])
+        for r in rollouts:
+            r["tool_parse"] = counts[r["rollout_id"]]
     return _json({"rollouts": rollouts, "next_cursor": cursor})
 
 
@@ -284,6 +291,7 @@ def _rollout_or_404(store: Any, rollout_id: str) -> dict:
 def get_rollout(rollout_id: RolloutId, store: StoreDep) -> Response:
     rollout = _rollout_or_404(store, rollout_id)
     _attach_events(rollout, store.list_events(rollout_id))
+    rollout["tool_parse"] = store.tool_parse_counts([rollout_id])[rollout_id]
     return _json(rollout)
 
 

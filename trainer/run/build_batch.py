@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tracegym.trainer.settings import LoraConfig
@@ -46,6 +46,20 @@ def emitted_means(rollouts: Iterable[dict[str, Any]]) -> dict[str, float]:
         for name, value in last.items():
             per.setdefault(name, []).append(value)
     return {f"emitted/{k}": statistics.fmean(v) for k, v in sorted(per.items())}
+
+
+def tool_parse_stats(counts: Iterable[Mapping[str, int]]) -> dict[str, float]:
+    """The step's tool-call parsing, from its rollouts' ``tool_parse`` counts (``GET /api/rollouts``):
+    ``tool_parse_attempts``, the replies that wrote the model's tool-call syntax (parsed or not), and
+    ``tool_parse_failed``, the fraction of those whose call did not parse (0 without attempts). ``{}`` when no
+    reply was parsed for tool calls at all (no tools offered)."""
+    ok = failed = none = 0
+    for c in counts:
+        ok, failed, none = ok + c.get("ok", 0), failed + c.get("failed", 0), none + c.get("none", 0)
+    if not ok + failed + none:
+        return {}
+    attempts = ok + failed
+    return {"tool_parse_failed": failed / attempts if attempts else 0.0, "tool_parse_attempts": float(attempts)}
 
 
 def sampled_segments(loss_mask: Sequence[int]) -> int:

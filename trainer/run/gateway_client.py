@@ -71,7 +71,7 @@ class ControlClient:
         polls while its engine generates, and each request costs the gateway and this process CPU that the
         engine's threads would otherwise have."""
         pending = {g.group_id: g for g in groups if not g.done}
-        for gid, rs in self._rollouts_by_group(list(pending)):
+        for gid, rs in self._rollouts_by_group(list(pending), with_tool_parse=False):
             g = pending[gid]
             g.statuses = {r["rollout_id"]: r["status"] for r in rs}
             g.rewards = {r["rollout_id"]: r.get("reward") for r in rs if r["status"] == "completed"}
@@ -98,6 +98,13 @@ class ControlClient:
         done = {r for g in groups for r in g.rollout_ids if g.statuses.get(r) == "completed"}  # as of refresh
         pages = self._rollouts_by_group([g.group_id for g in groups], status="completed", with_events=True)
         return [r for _, rs in pages for r in rs if r["rollout_id"] in done]
+
+    def tool_parse(self, groups: list[Group]) -> list[dict[str, int]]:
+        """How the tool calls of the completed rollouts of ``groups`` parsed: each rollout's ``tool_parse``
+        counts (``{"ok", "failed", "none"}``, docs/api.md), in one request per 500 groups."""
+        done = {r for g in groups for r in g.rollout_ids if g.statuses.get(r) == "completed"}  # as of refresh
+        pages = self._rollouts_by_group([g.group_id for g in groups], status="completed")
+        return [r["tool_parse"] for _, rs in pages for r in rs if r["rollout_id"] in done and "tool_parse" in r]
 
     def trajectories(self, rollout_ids: list[str]) -> list[Trajectory]:
         out: list[Trajectory] = []

@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 from tracegym.models import ModelNotFoundError, check_model_name
 from tracegym.trainer.recipe import RecipeError, TrainRecipe, load_recipe, validate_recipe
-from tracegym.trainer.run.build_batch import emitted_means, reward_stats
+from tracegym.trainer.run.build_batch import emitted_means, reward_stats, tool_parse_stats
 from tracegym.trainer.run.gateway_client import TERMINAL, ControlClient, Group
 from tracegym.trainer.run.objective_steps import ObjectiveSteps
 from tracegym.trainer.run.report import (
@@ -33,6 +33,7 @@ from tracegym.trainer.run.report import (
     read_metrics,
     summary_row,
     summary_table,
+    tool_parse_warning,
 )
 from tracegym.trainer.run.run_dirs import check_run_dir, disk_use, format_disk_use, open_run_dir, resume_dir
 from tracegym.trainer.run.services import Services, start_services
@@ -273,7 +274,7 @@ class Trainer(ObjectiveSteps):
         if self.judge is not None:  # rewards become agent_weight * agent + weight * judge; failures left out
             trajs, judged = self.judge.apply([(g.group_id, [trajs[r] for r in g.rollout_ids if r in trajs])
                                               for g in groups])
-        metrics: dict[str, float] = {**info, **judged}
+        metrics: dict[str, float] = {**info, **judged, **tool_parse_stats(self.ctl.tool_parse(groups))}
         metrics["dropped_rollouts"] = float(sum(len(g.rollout_ids) for g in groups) - len(trajs))
         return self.train_groups(
             self.objective(), [(g.group_id, [trajs[r] for r in g.rollout_ids if r in trajs]) for g in groups], metrics
@@ -297,11 +298,13 @@ class Trainer(ObjectiveSteps):
         self.ctl.wait(groups, timeout=self.r.group_timeout_s * 2, on_poll=self._gen_status(evaluating=True))
         rewards = [v if v is not None else 0.0 for g in groups for v in g.rewards.values()]
         n = sum(len(g.rollout_ids) for g in groups)
+        done = self.ctl.completed_rollouts(groups)
         m = {
             **reward_stats(rewards),
             "completed": float(len(rewards)),
             "failed": float(n - len(rewards)),
-            **emitted_means(self.ctl.completed_rollouts(groups)),  # the agent's tg.emit numbers, averaged
+            **emitted_means(done),  # the agent's tg.emit numbers, averaged
+            **tool_parse_stats(r["tool_parse"] for r in done if "tool_parse" in r),
             "eval_s": time.monotonic() - t0,
         }
         self.sinks.log(self.state.step, m, kind="eval")
@@ -310,6 +313,8 @@ class Trainer(ObjectiveSteps):
             f"({len(rewards)}/{n} rollouts, {m['eval_s']:.0f}s)",
             m["eval_s"],
         )
+        if (warning := tool_parse_warning(m, f"eval @ step {self.state.step}")) is not None:
+            self.progress.message(warning)
         return m
 
     # --- the loop ---------------------------------------------------------------------------------

@@ -13,7 +13,12 @@ from typing import Any, TextIO
 
 from tracegym.trainer.run.eta import eta_seconds, evals_left
 
-SHOWN = ("reward_mean", "pass_rate", "loss", "kl", "clip_frac", "mismatch", "swap_s", "tokens_per_s")
+SHOWN = ("reward_mean", "pass_rate", "loss", "kl", "clip_frac", "mismatch", "swap_s", "tokens_per_s",
+         "tool_parse_failed")
+TOOL_PARSE_WARN_RATE = 0.2
+"""A step (or evaluation) whose ``tool_parse_failed`` is at least this, over at least
+``TOOL_PARSE_WARN_ATTEMPTS`` replies that wrote a tool call, prints a warning line (docs/model-families.md)."""
+TOOL_PARSE_WARN_ATTEMPTS = 5
 
 
 def _fmt(v: Any) -> str:
@@ -37,6 +42,18 @@ def live_label(*, step: int, total: int, evaluating: bool, done: int, n: int, el
     progress is ``step + 1``; an evaluation is labelled with the step whose weights it samples."""
     what = f"eval @ step {step}" if evaluating else f"step {min(step + 1, total)}/{total}"
     return f"{what} | generating {done}/{n} | {fmt_duration(elapsed_s)}"
+
+
+def tool_parse_warning(metrics: dict[str, Any], what: str) -> str | None:
+    """The warning line for ``what`` (``step 3``, ``eval @ step 4``) when many of its tool calls did not parse
+    (``TOOL_PARSE_WARN_RATE``), else None."""
+    rate, attempts = metrics.get("tool_parse_failed"), metrics.get("tool_parse_attempts", 0)
+    if rate is None or attempts < TOOL_PARSE_WARN_ATTEMPTS or rate < TOOL_PARSE_WARN_RATE:
+        return None
+    return (f"warning: {what}: {round(rate * attempts)} of {int(attempts)} replies that wrote a tool call did not "
+            f"parse (tool_parse_failed {rate:.2f} >= {TOOL_PARSE_WARN_RATE}): those calls reached the agent as "
+            "text, not as tool calls; the spans' tracegym.tool_parse says why (trace inspector; "
+            "docs/model-families.md)")
 
 
 def skipped_reason(metrics: dict[str, Any]) -> str | None:
@@ -121,6 +138,8 @@ class StepProgress:
         parts += [f"{k} {_fmt(metrics[k])}" for k in SHOWN if k in metrics]
         parts.append(f"eta {self.eta(step)}")
         self._live.print(" | ".join(parts))
+        if (warning := tool_parse_warning(metrics, f"step {step}")) is not None:
+            self._live.print(warning)
 
     def evaluated(self, text: str, seconds: float) -> None:
         """Print an evaluation's line; its duration feeds the ETA."""
@@ -274,5 +293,11 @@ def summary_table(rows: list[dict[str, Any]], *, wall_s: float) -> str:
         mm = [r["mismatch"] for r in train if "mismatch" in r]
         if mm:
             lines.append(f"| mean engine/trainer logprob mismatch | {sum(mm) / len(mm):.2e} |")
+        tp = [r for r in train if r.get("tool_parse_attempts")]
+        if tp:  # the replies that wrote a tool call and did not parse, over the whole run
+            failed = sum(r["tool_parse_failed"] * r["tool_parse_attempts"] for r in tp)
+            attempts = sum(r["tool_parse_attempts"] for r in tp)
+            lines.append(f"| tool calls that did not parse (tool_parse_failed) | {failed / attempts:.3f} "
+                         f"({round(failed)} of {round(attempts)}) |")
     lines.append(f"| wall time | {wall_s:.0f} s |")
     return "\n".join(lines)

@@ -35,8 +35,42 @@ def select_sql(dialect: str, n_ids: int, with_request: bool, columns: tuple[str,
     return f"SELECT {cols} FROM spans WHERE {where} ORDER BY rollout_id, start_time_ns, id"
 
 
+TOOL_PARSE_KINDS = ("ok", "failed", "none")
+"""How a call's tool-call parse went (span attribute ``tracegym.tool_parse``: ``ok``, ``none`` or
+``failed: <reason>``), as counted per rollout by ``SpansMixin.tool_parse_counts``."""
+
+
+def _tool_parse_sql(dialect: str) -> str:
+    """Per rollout of a page of ids, its gateway calls by parse status (calls never parsed are not counted)."""
+    attr = ("(attributes ->> 'tracegym.tool_parse')" if dialect == "postgresql"
+            else "json_extract(attributes, '$.\"tracegym.tool_parse\"')")
+    return ("SELECT rollout_id, "
+            f"SUM(CASE WHEN {attr} = 'ok' THEN 1 ELSE 0 END), "
+            f"SUM(CASE WHEN {attr} LIKE :failed THEN 1 ELSE 0 END), "
+            f"SUM(CASE WHEN {attr} = 'none' THEN 1 ELSE 0 END) "
+            "FROM spans WHERE rollout_id IN :ids AND source = 'gateway' AND call_id IS NOT NULL "
+            "GROUP BY rollout_id")
+
+
 class SpansMixin:
     db: Database
+
+    def tool_parse_counts(self, rollout_ids: list[str]) -> dict[str, dict[str, int]]:
+        """``{rollout_id: {"ok", "failed", "none"}}``: how many of each rollout's gateway calls had their reply's
+        tool calls parsed (``ok``), written in the family's syntax but not parsing (``failed``), or had no
+        call syntax at all (``none``); calls whose replies were not parsed for tools (no tools offered) are
+        not counted. Every id given is present (zeros when it has no such calls). One query per
+        ``PAGE_IDS`` ids on the ``(rollout_id, start_time_ns)`` index."""
+        ids = list(dict.fromkeys(rollout_ids))
+        out = {rid: dict.fromkeys(TOOL_PARSE_KINDS, 0) for rid in ids}
+        if not ids:
+            return out
+        sql = sa.text(_tool_parse_sql(self.db.dialect)).bindparams(sa.bindparam("ids", expanding=True))
+        with self.db.read() as conn:
+            for start in range(0, len(ids), PAGE_IDS):
+                for rid, *counts in conn.execute(sql, {"ids": ids[start : start + PAGE_IDS], "failed": "failed%"}):
+                    out[rid] = {k: int(n or 0) for k, n in zip(TOOL_PARSE_KINDS, counts, strict=True)}
+        return out
 
     def insert_spans(self, rows: list[dict] | SpanBatch) -> int:
         """Insert span rows in one transaction: dicts keyed by the ``spans`` table's columns (OTLP ingest's

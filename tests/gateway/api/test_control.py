@@ -131,6 +131,28 @@ def test_list_rollouts_with_their_events(client):
     _err(client.get("/api/rollouts", params={"with_events": "maybe"}), 400)
 
 
+def test_rollouts_show_how_their_tool_calls_parsed(client):
+    """Each listed rollout (and ``GET /api/rollouts/{id}``) counts its calls by tool-call parse status: ``ok``,
+    ``failed`` (every ``failed: <reason>``) and ``none``; calls never parsed (no tools) and OTLP spans are
+    not counted; ``with_tool_parse=false`` leaves the counts out."""
+    made = client.post("/api/tasks", json={"tasks": [{"input": 0, "group_id": "tp"}], "group_size": 3}).json()
+    a, b, c = made["tasks"][0]["rollout_ids"]
+    statuses = {a: ["ok", "failed: invalid JSON (Expecting value)", "none", None, "failed: unknown tool 'x'"],
+                b: [None]}
+    insert_call_records(client.store, [make_record(i, rollout_id=rid, seed=k, tool_parse=status)
+                                       for k, (rid, ss) in enumerate(statuses.items()) for i, status in enumerate(ss)])
+    client.store.insert_spans([{"trace_id": "f" * 32, "span_id": "e" * 16, "rollout_id": a, "source": "otlp",
+                                "name": "tool", "kind": "internal", "start_time_ns": 1, "end_time_ns": 2,
+                                "status": "ok", "attributes": {"tracegym.tool_parse": "failed: x"}}])
+    listed = {r["rollout_id"]: r["tool_parse"] for r in client.get("/api/rollouts", params={"group_id": "tp"}
+                                                                   ).json()["rollouts"]}
+    assert listed == {a: {"ok": 1, "failed": 2, "none": 1}, b: {"ok": 0, "failed": 0, "none": 0},
+                      c: {"ok": 0, "failed": 0, "none": 0}}
+    assert client.get(f"/api/rollouts/{a}").json()["tool_parse"] == listed[a]
+    off = client.get("/api/rollouts", params={"group_id": "tp", "with_tool_parse": "false"}).json()["rollouts"]
+    assert len(off) == 3 and all("tool_parse" not in r for r in off)
+
+
 def test_weight_versions_and_run_metrics(client):
     assert client.post("/api/weight_versions", json={"version": "v1", "step": 1, "path": "/w"}).status_code == 201
     assert [v["version"] for v in client.get("/api/weight_versions").json()["weight_versions"]] == ["v1"]

@@ -1,10 +1,11 @@
-"""``emitted_means``: what agents report with ``tg.emit``, averaged per evaluation; and its summary rows."""
+"""``emitted_means``: what agents report with ``tg.emit``, averaged per evaluation; and its summary rows.
+``tool_parse_stats``: how a step's tool calls parsed."""
 
 from __future__ import annotations
 
 import pytest
 
-from tracegym.trainer.run.build_batch import emitted_means, sampled_segments
+from tracegym.trainer.run.build_batch import emitted_means, sampled_segments, tool_parse_stats
 from tracegym.trainer.run.report import summary_table
 
 
@@ -46,3 +47,12 @@ def test_sampled_segments_counts_runs_of_sampled_tokens() -> None:
     assert sampled_segments([]) == 0
     assert sampled_segments([0, 0, 1, 1, 0, 0, 1, 0, 1]) == 3
     assert sampled_segments([1, 1, 1]) == 1
+
+
+def test_tool_parse_failed_is_the_share_of_written_calls_that_did_not_parse() -> None:
+    counts = [{"ok": 3, "failed": 1, "none": 4}, {"ok": 0, "failed": 2, "none": 0}, {"ok": 0, "failed": 0, "none": 0}]
+    assert tool_parse_stats(counts) == {"tool_parse_failed": pytest.approx(3 / 6), "tool_parse_attempts": 6.0}
+    assert tool_parse_stats([{"ok": 0, "failed": 0, "none": 5}]) == {"tool_parse_failed": 0.0,
+                                                                    "tool_parse_attempts": 0.0}
+    assert tool_parse_stats([{"ok": 0, "failed": 0, "none": 0}]) == {}  # no reply was parsed for tools
+    assert tool_parse_stats([]) == {}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from tests.gateway.helpers import make_app
+from tests.gateway.helpers import make_app, make_record
+from tracegym.gateway.traces.call_spans import insert_call_records
 from tracegym.gateway.traces.store import Store
 from tracegym.trainer.run import gateway_client
 from tracegym.trainer.run.gateway_client import ControlClient
@@ -80,4 +81,37 @@ def test_completed_rollouts_come_with_their_events_in_one_request(tmp_path) -> N
             rid: [i] for i, rid in enumerate(done)}
         # the reward given at completion is the rollout's own column, not a reward event
         assert all(r["reward"] == 1.0 and r["rewards"] == [] for r in got)
+    store.close()
+
+
+def test_tool_parse_counts_of_a_steps_completed_rollouts(tmp_path) -> None:
+    """A step's completed rollouts with how their calls' tool calls parsed, in one request; the poll that
+    follows the groups' statuses does not ask for them."""
+    store = Store.open(f"sqlite:///{tmp_path / 'tg.db'}")
+    with TestClient(make_app(store)) as http:
+        ctl = ControlClient("http://testserver")
+        ctl.client._http.close()
+        ctl.client._http = http
+        seen: list[dict] = []
+        get = ctl.client.get
+
+        def counting_get(path, what, params=None):
+            seen.append(dict(params or {}))
+            return get(path, what, params)
+
+        ctl.client.get = counting_get  # type: ignore[method-assign]
+        groups = ctl.enqueue([{"input": 0}], group_size=3, split="train", group_ids=["tp-0"])
+        claimed = [c["rollout_id"] for c in store.claim("w", limit=3, lease_seconds=30)]
+        insert_call_records(store, [make_record(i, rollout_id=claimed[i % 2], seed=i, tool_parse=s)
+                                    for i, s in enumerate(["ok", "failed: invalid JSON", "none", "ok"])])
+        for rid in claimed[:2]:
+            store.complete(rid, worker_id="w", reward=1.0)
+        ctl.refresh(groups)
+        assert seen[-1]["with_tool_parse"] is False
+        seen.clear()
+        counts = ctl.tool_parse(groups)
+        assert len(seen) == 1 and "with_tool_parse" not in seen[0]
+        # calls 0 and 2 (ok, none) on the first rollout, 1 and 3 (failed, ok) on the second
+        assert sorted(counts, key=lambda c: c["none"]) == [{"ok": 1, "failed": 1, "none": 0},
+                                                           {"ok": 1, "failed": 0, "none": 1}]
     store.close()

@@ -193,6 +193,9 @@ class FakeControl:
     def refresh(self, groups: list[Group]) -> None:
         pass
 
+    def tool_parse(self, groups: list[Group]) -> list[dict[str, int]]:
+        return []
+
     def trajectories(self, ids: list[str]) -> list[Trajectory]:
         self.fetches.append(list(ids))
         return [self.trajs[i] for i in ids if i in self.trajs]

@@ -15,6 +15,7 @@ from tracegym.trainer.run.report import (
     read_metrics,
     skipped_reason,
     summary_table,
+    tool_parse_warning,
 )
 
 
@@ -123,3 +124,23 @@ def test_a_step_that_did_not_train_says_so() -> None:
     assert skipped_reason({"rollouts": 8.0, "pairs": 0.0}).startswith("no preference pair")
     assert skipped_reason({"rollouts": 8.0, "sft_rollouts": 0.0, "sequences": 0.0}).startswith("no example")
     assert skipped_reason({"rollouts": 8.0, "groups_used": 2.0, "sequences": 0.0}).startswith("no sampled tokens")
+
+
+def test_a_step_whose_tool_calls_often_fail_to_parse_prints_a_warning() -> None:
+    out = io.StringIO()
+    p = StepProgress(10, out=out, clock=Clock())
+    p.step(3, {"reward_mean": 0.9, "tool_parse_failed": 0.75, "tool_parse_attempts": 8.0, "step_s": 2.0})
+    step_line, warning = out.getvalue().splitlines()[-2:]
+    assert "tool_parse_failed 0.75" in step_line
+    assert warning.startswith("warning: step 3: 6 of 8 replies that wrote a tool call did not parse "
+                              "(tool_parse_failed 0.75 >= 0.2)")
+    p.step(4, {"reward_mean": 0.9, "tool_parse_failed": 0.1, "tool_parse_attempts": 40.0, "step_s": 2.0})
+    assert out.getvalue().splitlines()[-1].startswith("step 4/10")
+    assert tool_parse_warning({"tool_parse_failed": 1.0, "tool_parse_attempts": 4.0}, "step 1") is None  # too few
+    assert tool_parse_warning({"reward_mean": 1.0}, "step 1") is None  # no tools parsed
+    assert tool_parse_warning({"tool_parse_failed": 0.2, "tool_parse_attempts": 5.0}, "eval @ step 2").startswith(
+        "warning: eval @ step 2: 1 of 5")
+    rows = [{"kind": "train", "step": 1, "tool_parse_failed": 0.5, "tool_parse_attempts": 4.0},
+            {"kind": "train", "step": 2, "tool_parse_failed": 0.0, "tool_parse_attempts": 4.0},
+            {"kind": "train", "step": 3, "tool_parse_failed": 0.0, "tool_parse_attempts": 0.0}]
+    assert "| tool calls that did not parse (tool_parse_failed) | 0.250 (2 of 8) |" in summary_table(rows, wall_s=1)

@@ -148,7 +148,8 @@ def test_ray_override_puts_the_trainer_on_a_two_node_cluster(profile: str) -> No
     args = build_parser().parse_args(_tracegym_argv(s["trainer"]))
     recipe = load_recipe(ROOT / args.recipe)
     assert recipe.workers == 2 and recipe.ray is not None and recipe.ray.address == "trainer:6379"
-    assert recipe.ray.cpus_per_worker == 1  # each node offers 1 CPU: one rank per node
+    assert recipe.ray.cpus_per_worker == 1 and recipe.ray.placement == "STRICT_SPREAD"  # one rank per node
+    assert s["trainer"]["environment"]["RAY_HEAD_CPUS"] == "1"
     assert "--address=trainer:6379" in s["ray-worker"]["command"][0]
     assert "--num-cpus=${RAY_WORKER_CPUS:-1}" in yaml.safe_load(RAY.read_text())["services"]["ray-worker"]["command"][0]
     assert yaml.safe_load(RAY.read_text())["x-tracegym"] == yaml.safe_load(COMPOSE.read_text())["x-tracegym"]
@@ -248,3 +249,14 @@ def test_images_script_names_the_step_that_failed() -> None:
                          timeout=60)
     assert res.returncode != 0
     assert 'docker_images.sh: step "docker engine" failed. Start it' in res.stderr
+
+
+def test_the_gateway_is_unhealthy_once_its_wait_for_the_engine_is_over() -> None:
+    """tracegym-serve waits TRACEGYM_UPSTREAM_WAIT for the inference server; the gateway's healthcheck
+    counts failures only after the same time, so `docker-compose up` stops then, naming the gateway
+    (tests/e2e/test_compose_engine.py runs it with an engine that never becomes healthy)."""
+    env = yaml.safe_load(COMPOSE.read_text())["x-tracegym"]["environment"]
+    assert env["TRACEGYM_UPSTREAM_WAIT"] == "${TRACEGYM_UPSTREAM_WAIT:-600}"
+    check = _services()["gateway"]["healthcheck"]
+    assert check["start_period"] == "${TRACEGYM_UPSTREAM_WAIT:-600}s" and check["retries"] == 3
+    assert "wait_s=${TRACEGYM_UPSTREAM_WAIT:-600}" in (BIN / "tracegym-serve").read_text()

@@ -51,10 +51,11 @@ class Stack:
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {self.key}"}
 
-    def compose(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    def compose(self, *args: str, check: bool = True, timeout: float = 600,
+                input: str | None = None) -> subprocess.CompletedProcess:
         argv = ["docker-compose", "-p", self.name, *(a for f in self.files for a in ("-f", f)), "--profile", "cpu"]
         res = subprocess.run([*argv, *args], cwd=ROOT, env=self.env, capture_output=True, text=True,
-                             timeout=timeout)
+                             timeout=timeout, input=input)
         if check:
             assert res.returncode == 0, f"docker-compose {' '.join(args)}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
         return res

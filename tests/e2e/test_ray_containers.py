@@ -1,8 +1,10 @@
 """The trainer on a Ray cluster of two containers (docker-compose.yml + docker-compose.ray.yml): the trainer
 container is the Ray head and the driver, `ray-worker` a second node; `tracegym train` joins the cluster by
-address and its two FSDP2 ranks, one CPU each on nodes that offer one CPU each, run one per node, with
-gloo between them across the compose network (recipe-compose-ray-short.yaml: SmolLM2, 3 steps, a
-checkpoint after each). Checked: `ray status` counts 2 nodes with both CPUs in use while a step trains,
+address and its two FSDP2 ranks of one CPU each run one per node, with gloo between them across the
+compose network (recipe-compose-ray-short.yaml: SmolLM2, 3 steps, a checkpoint after each). Each node
+offers 4 CPUs here, so that Ray alone would put both ranks on the head: the recipe's STRICT_SPREAD
+placement is what spreads them. Checked: the ranks' nodes are the two containers' addresses, `ray status`
+counts 2 nodes with 2 of their 8 CPUs in use while a step trains,
 every step that has groups with unequal rewards trains and swaps its weights into the engine (a new
 weight version each), and a Ray worker node
 killed mid-run (SIGKILL to its process after two steps) fails the run with Ray's error naming the dead
@@ -25,6 +27,8 @@ pytestmark = pytest.mark.slow
 
 RECIPE = "examples/quickstart/recipe-compose-ray-short.yaml"
 NAME, STEPS = "compose-ray-short", 3
+NODE_CPUS = 4
+"""The CPUs each node offers to ranks: enough for both ranks on one node."""
 
 
 def _ray_status(s: Stack) -> str:
@@ -55,13 +59,20 @@ def _weight_version(s: Stack) -> int:
 @pytest.mark.timeout(1800)  # SmolLM2 in six containers on a shared 2-core machine
 def test_trainer_ranks_on_two_ray_nodes_in_containers_survive_a_worker_node_kill() -> None:
     t0 = time.monotonic()
-    with stack(["docker-compose.yml", "docker-compose.ray.yml"], TRACEGYM_RAY_RECIPE=RECIPE) as s:
+    with stack(["docker-compose.yml", "docker-compose.ray.yml"], TRACEGYM_RAY_RECIPE=RECIPE,
+               RAY_HEAD_CPUS=str(NODE_CPUS), RAY_WORKER_CPUS=str(NODE_CPUS)) as s:
         s.compose("up", "-d")
         s.wait("the gateway healthy, its engine reachable", s.gateway_ready, 300)
         s.wait("a Ray cluster of 2 nodes", lambda: _nodes(_ray_status(s)) == 2, 300)
-        busy = s.wait("both nodes' CPUs held by the trainer's ranks",
-                      lambda: (lambda st: _cpus_used(st) == (2.0, 2.0) and st)(_ray_status(s)), 600)
+        busy = s.wait("two CPUs held by the trainer's ranks",
+                      lambda: (lambda st: _cpus_used(st) == (2.0, 2.0 * NODE_CPUS) and st)(_ray_status(s)), 600)
         print(busy)
+        placed = s.wait("the trainer's line naming its ranks' nodes",
+                        lambda: re.search(r"ray: 2 ranks placed STRICT_SPREAD on nodes ([\d.]+), ([\d.]+)",
+                                          s.logs("trainer", tail=500)), 120)
+        nodes = {s.inspect(n, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}") for n in ("trainer", "ray-worker")}
+        print(placed.group(0))
+        assert {placed.group(1), placed.group(2)} == nodes and len(nodes) == 2
         s.wait("two steps trained (a checkpoint after the first)", lambda: len(_train_steps(s)) >= 2, 1200, every=5)
         assert _weight_version(s) >= 2
 

@@ -4,6 +4,7 @@ embedded engine started as children (or an existing gateway given with ``--gatew
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ipaddress
 import logging
@@ -59,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
             _write_private(state_dir / "gateway_key", key)
             inference = Inference(proc.base_url, key, root, args.model, keep=args.keep, proc=proc)
         state = ServiceState(cfg, inference)
+        await asyncio.to_thread(_warm_imports, args.model)
         try:
             yield state
         finally:
@@ -70,6 +72,15 @@ def main(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
                 lifespan="on", timeout_graceful_shutdown=10)
     return 0
+
+
+def _warm_imports(model: str) -> None:
+    """Import what creating the first training run needs (transformers' model classes, peft), before the
+    service answers: the first ``create_model`` then costs only the model load."""
+    import peft  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    from tracegym.trainer.workers.group import WorkerGroup  # noqa: F401
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -184,8 +184,10 @@ class ServiceState:
     def sampler_for_path(self, model_path: str) -> Sampler:
         owner, version = parse_path(model_path, SAMPLER_WEIGHTS)
         p = self.inference.published.get(version)
-        if p is None or p.run.model_id != owner:
-            self.inference.check_version("never" if p is None else version)
+        if p is None:
+            self.inference.check_version(version)  # raises: never published, or pruned
+        assert p is not None
+        if p.run.model_id != owner:
             raise UserFault(f"{model_path}: version {version} was published by {p.run.model_id}, not {owner}")
         return self.new_sampler(version, p.run, model_path)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README): lint, import contracts, then the whole suite, slow tests included.
-# Fast suite only: bash scripts/test.sh -m "not slow" -n 3  (arguments go to one pytest run)
+# Fast suite only: bash scripts/test.sh -m "not slow" -n 3 --dist loadgroup  (arguments go to one pytest run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ruff check .
@@ -8,8 +8,9 @@ bash scripts/lint_imports.sh
 if [ "$#" -ne 0 ]; then exec python -m pytest -q -ra --durations=15 "$@"; fi
 # The whole run: the client libraries' other majors first (openai 3, anthropic 1, newest openai-agents), then
 # the fast tests three at a time on two cores (pytest-xdist: much of a test is waiting on the child processes
-# it starts), then the slow ones one at a time (each trains or serves a model on both cores), so that the slow
+# it starts; --dist loadgroup keeps a module with module-scoped fixtures on one worker: tests/conftest.py),
+# then the slow ones one at a time (each trains or serves a model on both cores), so that the slow
 # suite's summary is last.
 bash scripts/test_next_majors.sh
-python -m pytest -q -ra --durations=15 -m "not slow" -n 3
+python -m pytest -q -ra --durations=15 -m "not slow" -n 3 --dist loadgroup
 python -m pytest -q -ra --durations=15 -m slow

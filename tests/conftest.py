@@ -13,6 +13,18 @@ import pytest
 from tests.procs import PG_ADMIN_URL, pg_available
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the tests of a module whose fixtures live as
+    long as the module (a served engine, a gateway, a model loaded once) run on one worker, which sets them
+    up once instead of once per worker that happens to draw one of its tests; other tests spread freely."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        if any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """``tiny-random`` prepared in the cache (built once, reused by later runs)."""

@@ -178,6 +178,20 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
         Access(svc(request), request)
         return {"type": "session_heartbeat"}
 
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request) -> Response:
+        state = svc(request)
+        Access(state, request)
+        for run in [r for r in state.runs.values() if r.model_id.startswith(f"{session_id}:")]:
+            seq = run.claim(None)
+
+            async def release(run: Run = run, seq: int = seq) -> None:  # after the run's queued requests
+                async with run.ordered(seq, state.cfg.gap_timeout):
+                    state.release_run(run)
+            state.futures.submit(release(), "finish")
+        state.sessions.discard(session_id)
+        return Response("null", media_type="application/json")
+
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> dict[str, str]:
         Access(svc(request), request)

@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
             _write_private(state_dir / "gateway_key", key)
             inference = Inference(proc.base_url, key, root, args.model, keep=args.keep, proc=proc)
         state = ServiceState(cfg, inference)
-        await asyncio.to_thread(_warm_imports, args.model)
+        await asyncio.to_thread(_warm_imports)
         try:
             yield state
         finally:
@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warm_imports(model: str) -> None:
+def _warm_imports() -> None:
     """Import what creating the first training run needs (transformers' model classes, peft), before the
     service answers: the first ``create_model`` then costs only the model load."""
     import peft  # noqa: F401

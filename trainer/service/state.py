@@ -114,6 +114,11 @@ class ServiceState:
                           lora=lora_cfg, seed=seed, torch_threads=self.cfg.torch_threads, entropy_tokens=0)
         return WorkerGroup(self.cfg.model_dir, num_workers=1, train_cfg=cfg, use_ray=False)
 
+    def release_run(self, run: Run) -> None:
+        """Free a run's workers (its session finished); its published versions stay sampleable."""
+        self.runs.pop(run.model_id, None)
+        run.group.shutdown()
+
     # ---------------------------------------------------------------- training operations
 
     def check_call(self, run: Run, call: ForwardBackwardCall) -> None:

@@ -260,3 +260,34 @@ def test_the_gateway_is_unhealthy_once_its_wait_for_the_engine_is_over() -> None
     check = _services()["gateway"]["healthcheck"]
     assert check["start_period"] == "${TRACEGYM_UPSTREAM_WAIT:-600}s" and check["retries"] == 3
     assert "wait_s=${TRACEGYM_UPSTREAM_WAIT:-600}" in (BIN / "tracegym-serve").read_text()
+
+
+def test_tracegym_serve_reports_a_silent_upstream_and_serves_once_it_answers(tmp_path: Path) -> None:
+    import time
+
+    from tests.procs import free_port
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "tracegym").write_text('#!/bin/sh\necho "$@"\n')
+    (fake / "tracegym").chmod(0o755)
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www/health").write_text("ok")
+    port = free_port()
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "TRACEGYM_UPSTREAM_WAIT": "2"}
+    serve = subprocess.Popen(["sh", str(BIN / "tracegym-serve"), "--upstream", f"http://127.0.0.1:{port}", "--port",
+                              "8000"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(5)
+    assert serve.poll() is None  # still waiting: no gateway started to fail and be restarted
+    upstream = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                                cwd=tmp_path / "www", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        out, err = serve.communicate(timeout=60)
+    finally:
+        upstream.kill()
+        upstream.wait()
+    assert serve.returncode == 0
+    assert f"the inference server http://127.0.0.1:{port} has not answered /health in 2s; the gateway stays down" \
+        in err and "in 4s;" in err
+    assert f"http://127.0.0.1:{port} answers /health now" in err
+    assert out.split() == ["serve", "--upstream", f"http://127.0.0.1:{port}", "--port", "8000"]

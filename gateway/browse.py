@@ -84,9 +84,12 @@ def run_store(run_dir: Path) -> tuple[str, Path]:
 
 
 def run_tokenizer(run_dir: Path) -> Path | None:
-    """The newest ``weights/v<N>/`` (or adapters' base) of a run directory that holds a tokenizer."""
+    """The newest ``weights/v<N>/`` (or adapters' base) of a run directory that holds a tokenizer, else its
+    ``tokenizer/`` (what a run that keeps no weights leaves, recipe ``keep: none``)."""
     found = [p.parent for p in (run_dir / "weights").glob("**/tokenizer.json")]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    if found:
+        return max(found, key=lambda p: p.stat().st_mtime)
+    return run_dir / "tokenizer" if (run_dir / "tokenizer" / "tokenizer.json").is_file() else None
 
 
 def browse_settings(store_url: str, model: str | None, security: dict[str, Any]) -> GatewaySettings:

@@ -100,7 +100,16 @@ class TrainRecipe(_Section):
     )
     name: str = Field("run", description="Run name.")
     checkpoint_interval: int = Field(
-        0, ge=0, description="Save a resumable checkpoint every N steps (0 = only at the end)."
+        0, ge=0, description="Save a resumable checkpoint every N steps (0 = none before the end)."
+    )
+    keep: Literal["none", "weights", "checkpoint"] = Field(
+        "weights",
+        description="What the run directory keeps of the model once the run has ended: `weights` (the last"
+        " weight version, in `upstream.engine_dtype`), `checkpoint` (also a resumable checkpoint: fp32 model,"
+        " AdamW moments, RNG and loop state, so `--resume --steps N` can extend the finished run) or `none`"
+        " (metrics, store, logs and the tokenizer only). Checkpoints written before the end"
+        " (`checkpoint_interval`) are complete whatever this says, so a run stopped early resumes exactly;"
+        " unless `checkpoint`, the last one is deleted when the run ends.",
     )
     seed: int = 0
     tensorboard: bool = Field(

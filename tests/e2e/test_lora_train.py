@@ -28,7 +28,7 @@ def test_two_roles_two_adapters(tmp_path: Path, tiny_model_dir: Path) -> None:
         tmp_path, steps=2, name="loratest",
         agent={"target": "tests.e2e.agents.two_agents:agent", "concurrency": 8},
         lora={"rank": 4, "alpha": 8, "adapters": {"planner": {}, "executor": {"target_modules": ["q_proj", "v_proj"]}}},
-        optim={"lr": 5e-3, "dtype": "float32"})
+        optim={"lr": 5e-3, "dtype": "float32"}, keep="checkpoint")
     res = _train(recipe)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     run = tmp_path / "run"

@@ -1,6 +1,7 @@
 """Run directories end to end, with real processes on tiny-random: a second quickstart run
-leaves the first one's results alone, and a run keeps only the last checkpoint and weight version and
-still resumes from them."""
+leaves the first one's results alone, the quickstart keeps no model files (`keep: none`), a run keeps
+its last weight version and no checkpoint by default, and with `keep: checkpoint` only the last
+checkpoint and weight version and still resumes from them."""
 
 from __future__ import annotations
 
@@ -70,6 +71,12 @@ def test_a_second_quickstart_run_leaves_the_first_runs_results_unchanged(
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 1]
     assert {r["run"] for r in rows} == {f"quickstart-{run2.name}"}
     assert f"run dir: {run2}" in second.stderr and "run directory size" in (run2 / "summary.md").read_text()
+    # the quickstart keeps no model files (recipe `keep: none`): its record, and the tokenizer to read it
+    for run in (run1, run2):
+        assert not (run / "checkpoint").exists() and not (run / "weights").exists()
+        assert (run / "tokenizer" / "tokenizer.json").is_file()
+    (size,) = [line for line in second.stderr.splitlines() if line.startswith(f"run dir: {run2} (")]
+    assert "store" in size and "checkpoint" not in size and "weights" not in size, size
     assert not (QS / "runs").exists() and not (tmp_path / "runs").exists()
     assert "UserWarning" not in first.stderr + second.stderr
 
@@ -108,7 +115,7 @@ def _versions(run: Path) -> list[str]:
 def test_only_the_last_checkpoint_and_weight_version_remain_and_resume_works(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    recipe = _length_recipe(tmp_path, steps=3, checkpoint_interval=1)
+    recipe = _length_recipe(tmp_path, steps=3, checkpoint_interval=1, keep="checkpoint")
     res = _train(recipe, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     run = tmp_path / "run"  # run_dir is relative to the recipe, not to the current directory (ROOT)
@@ -131,3 +138,19 @@ def test_only_the_last_checkpoint_and_weight_version_remain_and_resume_works(
     swaps = sum(1 for r in rows if r["kind"] == "train" and "loss" in r)
     assert _versions(run) == ([f"v{swaps}"] if swaps else [])
     assert not [p for p in run.iterdir() if p.name.startswith(".")], "no aside or temporary copies left"
+
+
+@pytest.mark.slow
+def test_by_default_an_ended_run_keeps_its_weights_and_no_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> None:
+    recipe = _length_recipe(tmp_path, steps=2, checkpoint_interval=1)
+    res = _train(recipe, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    run = tmp_path / "run"
+    swaps = sum(1 for r in _rows(run) if r["kind"] == "train" and "loss" in r)
+    assert sorted(p.name for p in run.iterdir()) == [
+        "admin_key", "logs", "metrics.jsonl", "reward_curve.png", "summary.md", "tracegym.db",
+        *(["weights"] if swaps else []),
+    ]  # fmt: skip
+    assert _versions(run) == ([f"v{swaps}"] if swaps else [])
+    res = _train(recipe, "--resume", "--steps", "3", cwd=ROOT)  # an ended run without a checkpoint
+    assert res.returncode == 2 and "--resume: no checkpoint" in res.stderr and "keep: checkpoint" in res.stderr

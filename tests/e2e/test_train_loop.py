@@ -48,7 +48,7 @@ def _train(recipe: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_train_loop_swaps_weights_and_resumes(tmp_path: Path, tiny_model_dir: Path) -> None:
-    recipe = _write_recipe(tmp_path, steps=2)
+    recipe = _write_recipe(tmp_path, steps=2, keep="checkpoint")  # the resume below extends the ended run
     res = _train(recipe)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     run = tmp_path / "run"

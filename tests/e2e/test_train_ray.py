@@ -152,7 +152,7 @@ def test_two_ray_workers_train_swap_and_leave_nothing_behind(
 ) -> None:
     mark = uuid.uuid4().hex
     t0 = time.monotonic()
-    res = _train(_write_recipe(tmp_path, steps=2), mark, ray_tmp)
+    res = _train(_write_recipe(tmp_path, steps=2, keep="checkpoint"), mark, ray_tmp)
     print(f"tracegym train, 2 Ray workers, 2 steps: {time.monotonic() - t0:.1f} s")
     _check_trained(tmp_path / "run", res, steps=2)
     workers = _session_worker_pids(ray_tmp)

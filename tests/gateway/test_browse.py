@@ -37,6 +37,9 @@ def test_run_store_and_tokenizer(run_dir: tuple[Path, Scenario], tmp_path: Path)
     with pytest.raises(UserError, match=r"holds no tracegym\.db"):
         run_store(tmp_path)
     assert run_tokenizer(d) is None
+    (d / "tokenizer").mkdir()  # a run that kept no weights (keep: none) left its tokenizer files
+    (d / "tokenizer" / "tokenizer.json").write_text("{}")
+    assert run_tokenizer(d) == d / "tokenizer"
     (d / "weights" / "v3").mkdir(parents=True)
     (d / "weights" / "v3" / "tokenizer.json").write_text("{}")
     assert run_tokenizer(d) == d / "weights" / "v3"

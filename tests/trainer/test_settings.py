@@ -98,6 +98,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     'run_dir': None,
     'name': 'run',
     'checkpoint_interval': 0,
+    'keep': 'weights',
     'seed': 0,
     'tensorboard': False,
     'wandb_project': None,

@@ -35,7 +35,14 @@ from tracegym.trainer.run.report import (
     summary_table,
     tool_parse_warning,
 )
-from tracegym.trainer.run.run_dirs import check_run_dir, disk_use, format_disk_use, open_run_dir, resume_dir
+from tracegym.trainer.run.run_dirs import (
+    check_run_dir,
+    disk_use,
+    format_disk_use,
+    open_run_dir,
+    resume_dir,
+    trim_run_dir,
+)
 from tracegym.trainer.run.services import Services, start_services
 from tracegym.trainer.run.tasks import split_tasks
 from tracegym.trainer.run.tracking import run_params
@@ -105,7 +112,8 @@ def _checkpoint_dir(recipe: TrainRecipe, *, resume: bool) -> Path:
 
     d = recover_dir(recipe.run_dir / "checkpoint")
     if resume and not (d / "trainer_state.json").is_file():
-        raise RecipeError(f"--resume: no checkpoint in {d}")
+        raise RecipeError(f"--resume: no checkpoint in {d} (a run that ended keeps one only with `keep: checkpoint`;"
+                          " one stopped before its end, only after `checkpoint_interval` steps)")
     return d
 
 
@@ -355,7 +363,8 @@ class Trainer(ObjectiveSteps):
             if self.r.checkpoint_interval and self.state.step % self.r.checkpoint_interval == 0:
                 self.checkpoint(pending)
         final = self.evaluate()
-        self.checkpoint(pending)
+        if self.r.keep == "checkpoint":  # else the run directory keeps no checkpoint once the run has ended
+            self.checkpoint(pending)
         return self.finish(final, time.monotonic() - t_start)
 
     def collect_async(
@@ -471,6 +480,7 @@ def train(
             result = trainer.run()
         finally:
             trainer.close()
+    trim_run_dir(run.path, recipe.keep, model_dir)  # the engine has stopped: the weights are free to go
     disk = format_disk_use(disk_use(run.path))
     with (run.path / "summary.md").open("a") as f:  # the summary ends with its table: one more row
         f.write(summary_row("run directory size", disk) + "\n")

@@ -13,7 +13,8 @@ to the store as run ``{name}``.
 What a run directory keeps (nothing grows with the step count): ``checkpoint/`` (the last resumable
 checkpoint: fp32 model, AdamW moments, RNG, loop state), ``weights/v<N>/`` (the last weight version, in
 ``upstream.engine_dtype``), ``tracegym.db`` (the store, when it is the default SQLite file), ``logs/``,
-``metrics.jsonl``, ``summary.md``, ``reward_curve.png``.
+``metrics.jsonl``, ``summary.md``, ``reward_curve.png``. Once the run has ended, the recipe's ``keep``
+decides which of the model-sized parts stay (``trim_run_dir``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tracegym.trainer.recipe import TIMESTAMP, RecipeError
 LATEST = "latest"
 RUN_FILES = (
     "metrics.jsonl", "summary.md", "reward_curve.png", "checkpoint", ".checkpoint.old", ".checkpoint.tmp",
-    "weights", "logs", "tracegym.db", "tracegym.db-wal", "tracegym.db-shm", "tb", "wandb",
+    "weights", "tokenizer", "logs", "tracegym.db", "tracegym.db-wal", "tracegym.db-shm", "tb", "wandb",
 )  # fmt: skip
 """The files and directories a run writes into its directory (``--overwrite`` deletes these only)."""
 
@@ -117,6 +118,30 @@ def _point(link: Path, target: str) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(target, tmp)
     os.replace(tmp, link)
+
+
+CHECKPOINT_DIRS = ("checkpoint", ".checkpoint.old", ".checkpoint.tmp")
+
+
+def trim_run_dir(run_dir: Path, keep: str, model_dir: Path) -> None:
+    """At the end of a run, delete the model-sized parts the recipe's ``keep`` does not ask for:
+    ``checkpoint/`` (and an aside copy) unless ``keep`` is ``checkpoint``; ``weights/`` when it is
+    ``none``, whose tokenizer files are copied to ``tokenizer/`` first from the model directory (the
+    trace inspector shows tokens as text with them, ``tracegym inspect RUN_DIR``)."""
+    from tracegym.modelfiles.formats import WEIGHT_SUFFIXES
+
+    if keep not in ("none", "weights", "checkpoint"):
+        raise ValueError(f"keep must be none | weights | checkpoint, got {keep!r}")
+    if keep != "checkpoint":
+        for name in CHECKPOINT_DIRS:
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+    if keep == "none":
+        tok = run_dir / "tokenizer"
+        tok.mkdir(exist_ok=True)
+        for f in Path(model_dir).iterdir():
+            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+                shutil.copy2(f, tok / f.name)
+        shutil.rmtree(run_dir / "weights", ignore_errors=True)
 
 
 def dir_bytes(path: Path) -> int:

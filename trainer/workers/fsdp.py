@@ -115,6 +115,16 @@ def _untied(state: dict[str, object]) -> tuple[dict[str, object], dict[str, str]
     return {k: v for k, v in state.items() if k not in aliases}, aliases
 
 
+def _saved_entries(model: nn.Module, state: dict[str, object], frozen: bool) -> dict[str, object]:
+    """What a checkpoint holds of ``state``: with ``frozen=False`` only the trainable parameters.
+    ``ignore_frozen_params`` alone keeps a frozen output layer tied to the embeddings (SmolLM2's
+    28.3M-parameter table: 113 MB of a LoRA checkpoint that needs 12 bytes per adapter parameter)."""
+    if frozen:
+        return state
+    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trainable}
+
+
 def _options(frozen: bool) -> object:
     """``frozen=False``: leave parameters without gradients out (a LoRA run saves only its adapters)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -133,13 +143,14 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, d: Path, *,
     opts = _options(frozen)
     if not optimizer.state:
         with _single_process_quiet():
-            dcp.save({"model": _untied(get_model_state_dict(model, options=opts))[0]}, checkpoint_id=str(d))
+            msd = _saved_entries(model, _untied(get_model_state_dict(model, options=opts))[0], frozen)
+            dcp.save({"model": msd}, checkpoint_id=str(d))
         if not is_distributed() or dist.get_rank() == 0:
             (d / FRESH_OPTIMIZER_MARK).touch()
         return
     msd, osd = get_state_dict(model, optimizer, options=opts)
     with _single_process_quiet():
-        dcp.save({"model": _untied(msd)[0], "optim": osd}, checkpoint_id=str(d))
+        dcp.save({"model": _saved_entries(model, _untied(msd)[0], frozen), "optim": osd}, checkpoint_id=str(d))
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, d: Path, *, frozen: bool = True) -> None:
@@ -155,16 +166,20 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, d: Path, *,
         raise FileNotFoundError(f"no sharded checkpoint at {d}")
     opts = _options(frozen)
     if (d / FRESH_OPTIMIZER_MARK).exists():
-        msd, aliases = _untied(get_model_state_dict(model, options=opts))
+        full, aliases = _untied(get_model_state_dict(model, options=opts))
+        msd = _saved_entries(model, full, frozen)
         with _single_process_quiet():
             dcp.load({"model": msd}, checkpoint_id=str(d))
+        msd = {**full, **msd}
         set_model_state_dict(model, {**msd, **{a: msd[k] for a, k in aliases.items()}}, options=opts)
         optimizer.state.clear()
         return
     full, osd = get_state_dict(model, optimizer, options=opts)
     msd, aliases = _untied(full)  # checkpoints written before tied entries were deduplicated load too
+    saved = _saved_entries(model, msd, frozen)
     with _single_process_quiet():
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(d))
+        dcp.load({"model": saved, "optim": osd}, checkpoint_id=str(d))
+    msd.update(saved)
     msd.update({a: msd[k] for a, k in aliases.items()})
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=opts)
 

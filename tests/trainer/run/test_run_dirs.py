@@ -1,5 +1,6 @@
 """One directory per run: timestamped directories with a ``latest`` link, a fixed run_dir refused
-once it holds a run unless --resume or --overwrite, and the run directory's size."""
+once it holds a run unless --resume or --overwrite, what an ended run keeps (``keep``), and the run
+directory's size."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tracegym.trainer.run.run_dirs import (
     format_disk_use,
     open_run_dir,
     resume_dir,
+    trim_run_dir,
 )
 
 NOW = datetime(2026, 11, 24, 10, 25, 30, tzinfo=UTC)
@@ -75,3 +77,37 @@ def test_disk_use_by_part(tmp_path: Path) -> None:
     assert parts == {"checkpoint": 3000, "weights": 2000, "store": 500, "logs": 0, "other": 10, "total": 5510}
     assert format_disk_use(parts) == "5.51 kB: checkpoint 3 kB, weights 2 kB, store 500 B, other 10 B"
     assert fmt_bytes(1_700_000_000) == "1.7 GB" and fmt_bytes(260_000_000) == "260 MB"
+
+
+def _ended_run(d: Path, model_dir: Path) -> Path:
+    """A run directory as the loop leaves it: a checkpoint, an aside copy, the last weights, the rest."""
+    (d / "checkpoint" / "dcp").mkdir(parents=True)
+    (d / "checkpoint" / "dcp" / "a.distcp").write_bytes(b"x" * 3000)
+    (d / ".checkpoint.old").mkdir()
+    (d / "weights" / "v3").mkdir(parents=True)
+    (d / "weights" / "v3" / "model.safetensors").write_bytes(b"x" * 2000)
+    (d / "tracegym.db").write_bytes(b"x" * 500)
+    (d / "metrics.jsonl").write_bytes(b"x" * 10)
+    model_dir.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
+        (model_dir / name).write_text(name)
+    return d
+
+
+@pytest.mark.parametrize(("keep", "left"), [
+    ("checkpoint", [".checkpoint.old", "checkpoint", "metrics.jsonl", "tracegym.db", "weights"]),
+    ("weights", ["metrics.jsonl", "tracegym.db", "weights"]),
+    ("none", ["metrics.jsonl", "tokenizer", "tracegym.db"]),
+])
+def test_an_ended_run_keeps_what_keep_says(tmp_path: Path, keep: str, left: list[str]) -> None:
+    run = _ended_run(tmp_path / "run", tmp_path / "model")
+    trim_run_dir(run, keep, tmp_path / "model")
+    assert sorted(p.name for p in run.iterdir()) == left
+    parts = disk_use(run)
+    assert (parts["checkpoint"], parts["weights"]) == {"checkpoint": (3000, 2000), "weights": (0, 2000),
+                                                       "none": (0, 0)}[keep]
+    if keep == "none":  # the inspector's tokens-as-text need the tokenizer, never the weights
+        assert sorted(p.name for p in (run / "tokenizer").iterdir()) == [
+            "config.json", "tokenizer.json", "tokenizer_config.json"]
+    with pytest.raises(ValueError, match=r"none \| weights \| checkpoint, got .everything."):
+        trim_run_dir(run, "everything", tmp_path / "model")

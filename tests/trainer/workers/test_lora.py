@@ -114,6 +114,12 @@ def test_checkpoint_holds_adapter_and_optimizer_and_resume_continues_identically
         want = params(a)
     finally:
         a.shutdown()
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    # the adapters only: not the frozen output layer tied to the embeddings (113 MB of SmolLM2's)
+    assert model_keys and all(".lora_" in k for k in model_keys), [k for k in model_keys if ".lora_" not in k]
     b = WorkerGroup(tiny_model_dir, num_workers=1, train_cfg=cfg(ONE), use_ray=False)
     try:
         assert b.load_checkpoint(tmp_path / "ckpt")["step"] == 1

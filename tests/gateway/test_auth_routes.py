@@ -238,3 +238,25 @@ def test_no_key_or_token_in_the_logs(gw, tokens, caplog: pytest.LogCaptureFixtur
     assert caplog.records  # the gateway did log (so the check below looked at something)
     assert KEY not in caplog.text and token_a not in caplog.text
     assert os.environ.get("TRACEGYM_ADMIN_KEY") is None
+
+
+def test_a_rollout_tokens_call_while_the_store_is_away_is_a_503_in_its_shape(gw, monkeypatch) -> None:
+    """A token's call is checked against its rollout's state in the store (an ended rollout takes no more
+    calls); with the store's database away, that check is a 503 to retry, not a 500 or a reset."""
+    import sqlalchemy as sa
+
+    srv = gw
+    httpx.post(srv.url + "/api/tasks", json={"tasks": [{"input": {"q": 2}}]}, headers=ADMIN).raise_for_status()
+    (claimed,) = httpx.post(srv.url + "/api/rollouts/claim", json={"worker_id": "w"}, headers=ADMIN).json()["rollouts"]
+
+    def away(*a: object, **k: object) -> None:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("the database system is shutting down"))
+
+    monkeypatch.setattr(srv.app.state.services.store, "get_rollout", away)
+    with httpx.Client(headers=_bearer(claimed["token"]), timeout=30) as http:
+        r = http.post(srv.url + "/v1/chat/completions", json=CHAT)
+        assert r.status_code == 503 and _code(r) == "store_unavailable", r.text
+        r = http.post(srv.url + "/v1/messages", json=MESSAGES)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
+        monkeypatch.undo()
+        assert http.post(srv.url + "/v1/chat/completions", json=CHAT).status_code == 200  # the same connection

@@ -4,13 +4,12 @@ models prepared once per session. Free ports and real child processes (always cl
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.procs import PG_ADMIN_URL, pg_available
+from tests.procs import fresh_pg_database, pg_available
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -53,16 +52,8 @@ def pg_url() -> Iterator[str]:
         if os.environ.get("CI"):
             pytest.fail("PostgreSQL is not reachable on 127.0.0.1:5432 (CI must start it)")
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
-    import psycopg
-
-    name = f"tg_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.pg)])

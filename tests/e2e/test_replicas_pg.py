@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import threading
-import uuid
 from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -26,7 +25,7 @@ import httpx
 import pytest
 
 from tests.gateway.app_support import sse_payloads
-from tests.procs import PG_ADMIN_URL, ManagedProcess, free_port, pg_available, start_process
+from tests.procs import ManagedProcess, free_port, fresh_pg_database, pg_available, start_process
 
 pytestmark = pytest.mark.pg
 MODEL = "tiny-random"
@@ -40,16 +39,8 @@ def pg_store() -> Iterator[str]:
     """A fresh PostgreSQL database for this module, dropped afterwards."""
     if not pg_available():
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
-    import psycopg
-
-    name = f"tg_replicas_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with fresh_pg_database("tg_replicas") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import gc
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,8 +139,9 @@ def _needs_info(settings: GatewaySettings) -> bool:
     return settings.model is not None and find_local_model_dir(settings.model) is None
 
 
-def _open_store(settings: GatewaySettings, recorder: Recorder | None,
-                registry: CollectorRegistry) -> tuple[Any, Recorder | None]:
+def _open_store(settings: GatewaySettings, recorder: Recorder | None, registry: CollectorRegistry,
+                in_flight: Callable[[], int]) -> tuple[Any, Recorder | None]:
+    """The store and its recorder; ``in_flight``: the inference calls in the gateway now (commit groups)."""
     if not settings.store_url:
         return None, recorder
     from tracegym.gateway.traces.store import Store
@@ -149,7 +150,8 @@ def _open_store(settings: GatewaySettings, recorder: Recorder | None,
     if recorder is None:
         from tracegym.gateway.traces.recorder import TraceRecorder
 
-        recorder = TraceRecorder(store, registry=registry)
+        recorder = TraceRecorder(store, registry=registry, commit_delay_s=settings.commit_delay_s,
+                                 in_flight=in_flight)
     return store, recorder
 
 
@@ -169,7 +171,9 @@ async def _lifespan(app: FastAPI, settings: GatewaySettings, injected: Recorder 
             from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
             tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, tdir, chat_format=settings.chat_format)
-        store, recorder = await asyncio.to_thread(_open_store, settings, injected, registry)
+        admission = app.state.admission
+        store, recorder = await asyncio.to_thread(_open_store, settings, injected, registry,
+                                                  lambda: admission.active)
         if tokenizer is not None and upstream.token_native:
             from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
 

@@ -71,6 +71,7 @@ def settings_from_args(args: argparse.Namespace, upstream_url: str | list[str] |
         store_url=store, **({"chat_format": chat_format} if chat_format else {}),
         max_body_bytes=args.max_body_bytes, upstream_timeout=args.upstream_timeout, freeze_gc=True,
         switch_interval_s=SERVE_SWITCH_INTERVAL_S, durability=getattr(args, "durability", "commit"),
+        commit_timeout_s=getattr(args, "commit_timeout", 10.0),
         max_tokens_cap=getattr(args, "max_tokens_cap", None), **security_settings(args),
     )
 

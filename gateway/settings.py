@@ -65,6 +65,13 @@ class GatewaySettings(BaseSettings):
     in one transaction, and each waits for its own); a span the store could not take makes the call a 503
     in its API's error shape. ``async``: answer at once and write the span in the background (a crash
     loses the spans still queued). docs/security.md."""
+    commit_delay_s: float = Field(default=0.002, ge=0)
+    """With ``durability="commit"``: how long the first span of a commit group may wait for the spans of
+    other calls in flight, so that one transaction carries many (``traces/acks.CommitGroup``). A call
+    alone in the gateway never waits for it. 0: commit what is there at once."""
+    commit_timeout_s: float = Field(default=10.0, gt=0)
+    """With ``durability="commit"``: how long a call waits for its span's commit (a stalled or locked
+    store) before it is answered 503 ``span_not_stored``; its span may still be committed later."""
     prefix_lookup_timeout_s: float = Field(default=2.0, ge=0)
     """How long a call may wait for the store lookup of its prefix parent when the prefix cache misses (a
     rollout's earlier call served by another gateway on the same store, or before a restart;

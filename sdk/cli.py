@@ -84,6 +84,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--durability", choices=["commit", "async"], default="commit",
                    help="commit: answer a call only once its span is committed to the store (default); "
                         "async: answer at once, write spans in the background (a crash loses the queued ones)")
+    p.add_argument("--commit-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="with --durability commit: a call whose span is not committed within SECONDS (a stalled "
+                        "or locked store) is answered 503 span_not_stored")
     p.add_argument("--max-tokens-cap", type=int, default=None, metavar="N",
                    help="refuse (400) calls asking for more than N new tokens; calls that ask for none get N")
     p.add_argument("--log-level", default="info", help="uvicorn's log level")

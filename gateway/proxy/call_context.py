@@ -6,6 +6,7 @@ reply."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import Awaitable
@@ -165,10 +166,37 @@ def finish_call(svc: Services, ctx: CallContext, rec: CallRecord) -> Awaitable[b
 
 
 NOT_STORED = "the trace store did not commit this call's span, so it is not answered as a success"
+NOT_COMMITTED = ("the trace store did not commit this call's span within {:g} s (--commit-timeout), so it is not "
+                 "answered as a success")
 
 
-async def acknowledge(ack: Awaitable[bool] | None) -> None:
-    """Wait until the call's span is committed (``finish_call``'s ack; None: nothing to wait for); a span
-    the store did not take is a 503, so no call is answered 200 without its span."""
-    if ack is not None and not await ack:
+async def settled(ack: Awaitable[bool] | None, timeout_s: float) -> bool | None:
+    """Wait for ``finish_call``'s ack (None: nothing to wait for), at most ``timeout_s``: True once
+    the span is committed, False when the store did not take it, None when the wait timed out (the span
+    may still be committed later)."""
+    if ack is None:
+        return True
+    fut: asyncio.Future = ack  # type: ignore[assignment]
+    if fut.done():
+        return fut.result()
+    timer = fut.get_loop().call_later(timeout_s, _expire, fut)
+    try:
+        return await fut
+    finally:
+        timer.cancel()
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():  # the writer settles it later: its result is no longer looked at
+        fut.set_result(None)
+
+
+async def acknowledge(ack: Awaitable[bool] | None, timeout_s: float) -> None:
+    """Wait until the call's span is committed (``settled``); a span the store did not take, or did not
+    commit within ``timeout_s`` (``GatewaySettings.commit_timeout_s``), is a 503, so no call is answered
+    200 without its span."""
+    ok = await settled(ack, timeout_s)
+    if ok is None:
+        raise OpenAIError(503, NOT_COMMITTED.format(timeout_s), type="server_error", code="span_not_stored")
+    if not ok:
         raise OpenAIError(503, NOT_STORED, type="server_error", code="span_not_stored")

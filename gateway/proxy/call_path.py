@@ -27,6 +27,7 @@ from tracegym.gateway.proxy.call_context import (
     finish_call,
     generate_request,
     plan_prompt,
+    settled,
 )
 from tracegym.gateway.proxy.streaming import EventWriter, StreamWriter, sse_stream
 from tracegym.gateway.proxy.upstream.base import GenerateResult
@@ -132,21 +133,15 @@ async def run_call(svc: Services, parsed: ParsedRequest, ctx: CallContext, build
     try:
         result = await _generate(svc, req, client)
     except OpenAIError as e:
-        await _settled(record_failure(svc, parsed, ctx, prompt, e))
+        await settled(record_failure(svc, parsed, ctx, prompt, e), svc.settings.commit_timeout_s)
         raise
     except ClientDisconnect:
         record_failure(svc, parsed, ctx, prompt, "client disconnected")
         raise
     svc.metrics.observe_upstream(svc.upstream.kind, parsed.operation, False, time.perf_counter() - started)
     body, rec = build(svc, parsed, ctx, prompt, result)
-    await acknowledge(finish_call(svc, ctx, rec))
+    await acknowledge(finish_call(svc, ctx, rec), svc.settings.commit_timeout_s)
     return Response(orjson.dumps(body), media_type="application/json")
-
-
-async def _settled(ack: Any) -> None:
-    """Wait for a failed call's span too (its error answer is sent after it), whatever became of it."""
-    if ack is not None:
-        await ack
 
 
 async def _generate(svc: Services, req: Any, client: Request | None) -> GenerateResult:
@@ -183,10 +178,10 @@ async def _start_stream(svc: Services, parsed: ParsedRequest, ctx: CallContext, 
     except StopAsyncIteration:
         first = None
     except OpenAIError as e:
-        await _settled(record_failure(svc, parsed, ctx, prompt, e))
+        await settled(record_failure(svc, parsed, ctx, prompt, e), svc.settings.commit_timeout_s)
         raise
     writer = make_writer(svc, parsed, ctx, prompt)
     writer.on_done = lambda: svc.metrics.observe_upstream(svc.upstream.kind, parsed.operation, True,
                                                           time.perf_counter() - started)
-    return StreamingResponse(sse_stream(writer, first, events), media_type="text/event-stream",
+    return StreamingResponse(sse_stream(writer, first, events, svc.settings.commit_timeout_s), media_type="text/event-stream",
                              headers=SSE_HEADERS)

@@ -25,6 +25,7 @@ from tracegym.gateway.proxy.call_context import (
     choice_record,
     finish_call,
     prompt_token_count,
+    settled,
 )
 from tracegym.gateway.proxy.openai_replies import (
     assistant_message,
@@ -386,7 +387,7 @@ class EventWriter(Protocol):
 
 
 async def sse_stream(
-    writer: EventWriter, first: StreamEvent | None, events: AsyncIterator[StreamEvent]
+    writer: EventWriter, first: StreamEvent | None, events: AsyncIterator[StreamEvent], commit_timeout_s: float
 ) -> AsyncIterator[bytes]:
     """The response body. ``first`` was pulled before the response started (so connection errors
     became proper 502/504 statuses); errors after that arrive as the API's SSE error event.
@@ -396,8 +397,8 @@ async def sse_stream(
     several events where chat sends one chunk, and a write per event would cost each call a syscall per event.
 
     The last chunk (the closing events, or the error events) waits until the call's span is committed
-    (``call_context.acknowledge``); a span the store did not take ends the stream with the API's error event
-    instead of its normal end."""
+    (``call_context.acknowledge``, at most ``commit_timeout_s``); a span the store did not take (in time) ends
+    the stream with the API's error event instead of its normal end."""
     error: str | None = "client disconnected"
     recorded = False
     try:
@@ -414,7 +415,7 @@ async def sse_stream(
         last = writer.closing()
         recorded = True
         try:
-            await acknowledge(writer.record(None))
+            await acknowledge(writer.record(None), commit_timeout_s)
         except OpenAIError as e:
             last = writer.error_events(e)
         yield b"".join(last)
@@ -422,9 +423,7 @@ async def sse_stream(
         error = e.message
         await _close_events(events)
         recorded = True
-        ack = writer.record(error)
-        if ack is not None:
-            await ack
+        await settled(writer.record(error), commit_timeout_s)
         yield b"".join(writer.error_events(e))
     except asyncio.CancelledError:
         error = "client disconnected"

@@ -5,12 +5,21 @@ made on its event loop (an ``Ack``); the record travels the recorder's queue wit
 keeps the acks of each encoded batch next to the batch (``Built``), and the write thread settles them once
 the transaction holding the batch committed (``True``) or was given up (``False``). Many calls share one
 commit (group commit), and each batch costs one ``call_soon_threadsafe`` per event loop, not one per call.
+
+``CommitGroup`` decides when the waiting calls are committed. A transaction costs about as much for one
+span as for ten (SQLite: ~0.15 ms of CPU, most of it per transaction; PostgreSQL: the server's WAL
+flush), and calls arrive too far apart for a transaction to find company by itself (3,000 calls/s are one
+per 0.33 ms), so the build thread holds the first waiting call's span up to ``delay_s`` for the calls
+still on their way, as PostgreSQL's ``commit_delay`` does when ``commit_siblings`` other transactions are
+open. A call on its way is one in flight in the gateway (``in_flight``, the admission count) that has not
+handed in its record: with none (one client at a time), the group is committed at once and waits nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tracegym.gateway.traces.store.span_rows import SpanBatch
@@ -49,3 +58,47 @@ def settle_now(ack: Ack | None, ok: bool) -> None:
     """Resolve one ack on its own loop's thread (a span refused as it is queued)."""
     if ack is not None and not ack.done():
         ack.set_result(ok)
+
+
+class CommitGroup:
+    """The build thread's open group of calls waiting for their commit, and when it is due (see the module
+    docstring). ``queued`` is counted by the calls' event loop, ``settled`` by the thread that exports
+    (under the processor's write lock), ``lost`` by the build thread: each counter has one writer."""
+
+    __slots__ = ("built", "delay_s", "in_flight", "lost", "queued", "settled", "since")
+
+    def __init__(self, delay_s: float, in_flight: Callable[[], int] | None = None) -> None:
+        self.delay_s = delay_s
+        self.in_flight = in_flight
+        self.built: Built | None = None
+        self.since = 0.0
+        self.queued = self.settled = self.lost = 0
+
+    def expected(self) -> int:
+        """Calls in flight that have not handed in their record yet (0 when the gateway does not say)."""
+        if self.in_flight is None:
+            return 0
+        return self.in_flight() - (self.queued - self.settled - self.lost)
+
+    def add(self, built: Built) -> None:
+        if self.built is None:
+            self.built, self.since = built, time.monotonic()
+        else:
+            self.built.batch.extend(built.batch)
+            self.built.acks += built.acks
+
+    def due(self, max_rows: int) -> bool:
+        """Commit the open group now: it is full, its first call waited ``delay_s``, or nobody else comes."""
+        b = self.built
+        return b is not None and (len(b.batch) >= max_rows or self.expected() <= 0
+                                  or time.monotonic() - self.since >= self.delay_s)
+
+    def take(self) -> Built | None:
+        built, self.built = self.built, None
+        return built
+
+    def wait_s(self, idle_s: float) -> float:
+        """How long the build thread may sleep: until the open group's deadline, else ``idle_s``."""
+        if self.built is None:
+            return idle_s
+        return max(0.0, self.since + self.delay_s - time.monotonic())

@@ -20,7 +20,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry.context import Context
@@ -32,7 +32,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from sqlalchemy.exc import DataError, IntegrityError
 
-from tracegym.gateway.traces.acks import Ack, Built, settle, settle_now
+from tracegym.gateway.traces.acks import Ack, Built, CommitGroup, settle, settle_now
 from tracegym.gateway.traces.call_spans import (
     CALL_ROW_TEXT,
     attributes_to_row_fields,
@@ -200,11 +200,16 @@ class StoreSpanProcessor(SpanProcessor):
     the per-transaction statements, and their GIL re-acquisitions, are paid once for all). Each time the
     write thread wants the GIL back while the build thread encodes, it waits up to the switch interval
     (``GatewaySettings.switch_interval_s``), hence few statements per transaction (``store.span_insert``).
+
+    Spans that calls wait for (``enqueue_call`` with an ack) gather in the build thread's ``CommitGroup``
+    until it is due (``commit_delay_s``, ``in_flight``: see ``acks``); then the build thread commits the
+    group itself when the writer is idle (a thread hand-off sooner), else queues it for the writer.
     """
 
     def __init__(self, exporter: StoreSpanExporter, metrics: SpanMetrics, *, max_queue_size: int = 50_000,
                  max_batch_size: int = 2_000, schedule_delay_s: float = 0.1, warn_every_s: float = 5.0,
-                 resource: Resource | None = None, pipeline_depth: int = 2) -> None:
+                 resource: Resource | None = None, pipeline_depth: int = 2, commit_delay_s: float = 0.0,
+                 in_flight: Callable[[], int] | None = None) -> None:
         self.exporter = exporter
         self.metrics = metrics
         self.max_queue_size = max_queue_size
@@ -216,6 +221,7 @@ class StoreSpanProcessor(SpanProcessor):
         self._resource_json = json_text(json_safe(dict(self.resource.attributes)))
         self._scope = InstrumentationScope(SCOPE)
         self._rng = random.Random()  # ids of call spans (as RandomIdGenerator draws them)
+        self.group = CommitGroup(commit_delay_s, in_flight)
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._batches: queue.Queue[Built | _Flush | None] = queue.Queue(maxsize=pipeline_depth)
         self._wake = threading.Event()
@@ -241,7 +247,8 @@ class StoreSpanProcessor(SpanProcessor):
     def enqueue_call(self, rec: CallRecord, start_ns: int, end_ns: int, ack: Ack | None = None) -> None:
         """Queue a finished call (non-blocking; dropped and counted when the queue is full). ``ack`` (made on
         the calling thread's event loop) is settled once the span is committed or lost; a call with one
-        wakes the build thread at once instead of waiting for a full batch or the schedule delay."""
+        wakes the build thread at once (instead of waiting for a full batch or the schedule delay) unless a
+        commit group is open and other calls are still on their way (the group's deadline wakes it)."""
         self._enqueue((rec, start_ns, end_ns, ack), ack)
 
     def _enqueue(self, item: QueueItem, ack: Ack | None = None) -> None:
@@ -255,7 +262,13 @@ class StoreSpanProcessor(SpanProcessor):
             settle_now(ack, False)
             return
         q.append(item)
-        if (ack is not None or len(q) >= self.max_batch_size) and not self._wake.is_set():
+        if ack is not None:
+            group = self.group
+            group.queued += 1
+            # after the append: a build thread that just took the open group sees this item before it sleeps
+            if (group.built is None or group.expected() <= 0) and not self._wake.is_set():
+                self._wake.set()
+        elif len(q) >= self.max_batch_size and not self._wake.is_set():
             self._wake.set()
 
     def _drop(self, reason: str) -> None:
@@ -322,15 +335,18 @@ class StoreSpanProcessor(SpanProcessor):
                 if ack is not None and (not acks or acks[-1] is not ack):
                     lost.append(ack)
         if lost:
+            self.group.lost += len(lost)
             settle(lost, False)
         return built
 
     def _drain(self) -> None:
         """Encode queued spans into batches for the writer: one batch (possibly partial), then more while a
         full batch is queued or a ``force_flush`` marker waits in the queue (everything up to it is sent,
-        then the marker itself, behind the last batch)."""
+        then the marker itself, behind the last batch). Batches with acks join the open commit group, which
+        is committed once due."""
         with self._build_lock:
             q = self._queue
+            group = self.group
             first = True
             while q and (first or self._flushes or len(q) >= self.max_batch_size):
                 first = False
@@ -344,23 +360,35 @@ class StoreSpanProcessor(SpanProcessor):
                     items.append(item)
                 if items:
                     built = self._build(items)
-                    # Calls wait for these spans and the writer is idle: write them here, a thread hand-off
-                    # sooner (ordering between span batches does not matter; markers still queue behind).
-                    if built.acks and self._batches.empty() and self._write_lock.acquire(blocking=False):
-                        try:
-                            self._export(built)
-                        finally:
-                            self._write_lock.release()
+                    if built.acks or group.built is not None:
+                        group.add(built)
                     else:
                         self._batches.put(built)
                 if marker is not None:
+                    self._commit_group()  # what came before the marker is written before it
                     with self._flush_lock:
                         self._flushes -= 1
                     self._batches.put(marker)
+            if group.built is not None and (self._shutdown or group.due(self.max_batch_size)):
+                self._commit_group()
+
+    def _commit_group(self) -> None:
+        built = self.group.take()
+        if built is None:
+            return
+        # The writer is idle: write the group here, a thread hand-off sooner (ordering between span batches
+        # does not matter; markers still queue behind).
+        if self._batches.empty() and self._write_lock.acquire(blocking=False):
+            try:
+                self._export(built)
+            finally:
+                self._write_lock.release()
+        else:
+            self._batches.put(built)
 
     def _build_loop(self) -> None:
         while not self._shutdown:
-            self._wake.wait(self.schedule_delay_s)
+            self._wake.wait(self.group.wait_s(self.schedule_delay_s))
             self._wake.clear()
             try:
                 self._drain()
@@ -394,7 +422,9 @@ class StoreSpanProcessor(SpanProcessor):
                     tail.done.set()
             except Exception:  # export_batch never raises; keep the writer alive regardless
                 log.exception("span write thread: unexpected error (continuing)")
-                settle([a for b in items if type(b) is Built for a in b.acks], False)  # type: ignore[union-attr]
+                acks = [a for b in items if type(b) is Built for a in b.acks]  # type: ignore[union-attr]
+                self.group.settled += len(acks)
+                settle(acks, False)
             finally:
                 for _ in items:
                     self._batches.task_done()
@@ -402,6 +432,7 @@ class StoreSpanProcessor(SpanProcessor):
     def _export(self, built: Built) -> None:
         ok = self.exporter.export_batch(built.batch) is SpanExportResult.SUCCESS
         if built.acks:
+            self.group.settled += len(built.acks)
             settle(built.acks, ok)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
@@ -426,6 +457,7 @@ class StoreSpanProcessor(SpanProcessor):
         self._builder.join()
         while self._queue:  # everything, partial batches included (and the markers of pending flushes)
             self._drain()
+        self._commit_group()
         self._batches.put(None)
         self._writer.join()
         self.exporter.shutdown()
@@ -442,13 +474,15 @@ class TraceRecorder:
 
     def __init__(self, store: object, *, registry: CollectorRegistry | None = None,
                  service_name: str = "tracegym-gateway", max_queue_size: int = 50_000,
-                 max_batch_size: int = 2_000, schedule_delay_s: float = 0.1) -> None:
+                 max_batch_size: int = 2_000, schedule_delay_s: float = 0.1, commit_delay_s: float = 0.0,
+                 in_flight: Callable[[], int] | None = None) -> None:
         self.metrics = SpanMetrics(registry if registry is not None else CollectorRegistry())
         resource = Resource.create({"service.name": service_name})
         self.exporter = StoreSpanExporter(store, self.metrics)
         self.processor = StoreSpanProcessor(self.exporter, self.metrics, max_queue_size=max_queue_size,
                                             max_batch_size=max_batch_size, schedule_delay_s=schedule_delay_s,
-                                            resource=resource)
+                                            resource=resource, commit_delay_s=commit_delay_s,
+                                            in_flight=in_flight)
         self.provider = TracerProvider(
             resource=resource,
             span_limits=SpanLimits(max_span_attributes=256, max_attribute_length=None),

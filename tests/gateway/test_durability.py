@@ -135,3 +135,50 @@ def test_a_non_stream_call_whose_client_leaves_is_aborted_upstream(tiny_model_di
                 time.sleep(0.1)
             metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
             assert 'route="/v1/chat/completions",status="499"} 1.0' in metrics, metrics
+
+
+class _StoreLock:
+    """Another client holding the store's write lock (SQLite ``BEGIN IMMEDIATE``) or the spans table's
+    (PostgreSQL ``LOCK TABLE spans``) until ``release``: the gateway's commits wait behind it."""
+
+    def __init__(self, store_url: str) -> None:
+        self.url = store_url
+        if store_url.startswith("sqlite"):
+            self.conn = sqlite3.connect(store_url.removeprefix("sqlite:///"), isolation_level=None)
+            self.conn.execute("BEGIN IMMEDIATE")
+        else:
+            import psycopg
+
+            self.conn = psycopg.connect(store_url.replace("postgresql+psycopg", "postgresql"))
+            self.conn.execute("LOCK TABLE spans IN ACCESS EXCLUSIVE MODE")
+
+    def release(self) -> None:
+        self.conn.rollback()
+        self.conn.close()
+
+
+def test_a_stalled_store_makes_calls_wait_a_bounded_time_then_503(fake: ManagedProcess, store_url: str) -> None:
+    store = Store.open(store_url)
+    try:
+        with _serve(fake, store_url, commit_timeout_s=1.0) as srv:
+            url = f"{srv.url}/rollouts/ro-stall/v1/chat/completions"
+            assert httpx.post(url, json={"model": MODEL, "messages": Q}, timeout=30).status_code == 200
+            lock = _StoreLock(store_url)
+            try:
+                t = time.monotonic()
+                r = httpx.post(url, json={"model": MODEL, "messages": Q}, timeout=30)
+                waited = time.monotonic() - t
+                assert r.status_code == 503 and r.json()["error"]["code"] == "span_not_stored", r.text
+                assert "within 1 s" in r.json()["error"]["message"]
+                assert 0.9 < waited < 10, waited
+                lines = _stream_lines(url, {"model": MODEL, "messages": Q})
+                assert '"span_not_stored"' in lines[-2] and lines[-1] == "data: [DONE]"
+            finally:
+                lock.release()
+            # the store is back: the spans that waited are written (as failed answers), new calls succeed
+            r = httpx.post(url, json={"model": MODEL, "messages": Q}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["id"] in {s["call_id"] for s in list_spans(store, "ro-stall")}
+            assert len(list_spans(store, "ro-stall")) == 4
+    finally:
+        store.close()

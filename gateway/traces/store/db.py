@@ -3,7 +3,8 @@
 SQLite: WAL journal, ``synchronous=NORMAL``, 16 KiB pages, a 32 MiB page cache, a busy timeout, and the
 driver's own transaction handling switched off so that write transactions start with ``BEGIN IMMEDIATE``
 (the write lock is taken up front; a deferred transaction that later writes can fail with
-SQLITE_BUSY_SNAPSHOT under WAL). Read transactions use a plain ``BEGIN``. PostgreSQL: psycopg 3, READ
+SQLITE_BUSY_SNAPSHOT under WAL). Read transactions use a plain ``BEGIN``. A ``Database`` on SQLite
+checkpoints the WAL in a thread of its own (``checkpoint.Checkpointer``), not inside commits. PostgreSQL: psycopg 3, READ
 COMMITTED, row locks with ``FOR UPDATE SKIP LOCKED``.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
+from tracegym.gateway.traces.store.checkpoint import Checkpointer
 from tracegym.gateway.traces.store.span_rows import json_text
 
 PAGE_IDS = 500
@@ -80,12 +82,21 @@ def _configure_sqlite(engine: sa.Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
+    dbapi_conn.execute("PRAGMA wal_autocheckpoint = 0")  # the Database's Checkpointer thread does it
+
+
 class Database:
-    """Owns the engine; ``write()`` / ``read()`` yield a connection inside one transaction."""
+    """Owns the engine; ``write()`` / ``read()`` yield a connection inside one transaction. On SQLite its
+    connections do not checkpoint the WAL as they commit: its ``Checkpointer`` thread does, after writes."""
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
+        self.checkpointer: Checkpointer | None = None
+        if self.dialect == "sqlite":
+            sa.event.listen(engine, "connect", _no_autocheckpoint)
+            self.checkpointer = Checkpointer(engine.url.database or "")
 
     @contextmanager
     def write(self) -> Iterator[sa.Connection]:
@@ -93,6 +104,14 @@ class Database:
             conn.execution_options(tg_write=True)
             with conn.begin():
                 yield conn
+        if self.checkpointer is not None:
+            self.checkpointer.written()
+
+    def close(self) -> None:
+        """Dispose of the connection pool (on SQLite: checkpoint what is left first)."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.engine.dispose()
 
     @contextmanager
     def read(self) -> Iterator[sa.Connection]:

@@ -79,4 +79,4 @@ def main(args: argparse.Namespace) -> int:
         print(current_revision(db) or "(empty database)")
         return 0
     finally:
-        db.engine.dispose()
+        db.close()

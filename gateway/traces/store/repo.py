@@ -31,7 +31,7 @@ class Store(SpansMixin, RolloutsMixin, QueueMixin, EventsMixin, ImportsMixin):
             try:
                 run_upgrade(db)
             except Exception:
-                db.engine.dispose()
+                db.close()
                 raise
         return cls(db, url)
 
@@ -41,8 +41,8 @@ class Store(SpansMixin, RolloutsMixin, QueueMixin, EventsMixin, ImportsMixin):
         return self.db.dialect
 
     def close(self) -> None:
-        """Dispose of the connection pool."""
-        self.db.engine.dispose()
+        """Dispose of the connection pool (SQLite: after a last WAL checkpoint)."""
+        self.db.close()
 
     def __enter__(self) -> Store:
         return self

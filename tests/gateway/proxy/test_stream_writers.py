@@ -81,7 +81,7 @@ def test_events_of_one_moment_are_one_chunk() -> None:
             yield ev
 
     async def collect() -> list[bytes]:
-        return [chunk async for chunk in sse_stream(writer, "e1", upstream())]  # type: ignore[arg-type]
+        return [chunk async for chunk in sse_stream(writer, "e1", upstream(), 10.0)]  # type: ignore[arg-type]
 
     writer = _Writer()
     chunks = asyncio.run(collect())

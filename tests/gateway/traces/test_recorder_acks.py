@@ -4,6 +4,7 @@ the store at that moment), many calls share a commit, and a span the store never
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tests.gateway.helpers import make_record
 from tracegym.gateway.traces.reads import list_spans
@@ -53,3 +54,79 @@ def test_a_span_the_store_never_takes_is_a_false_ack() -> None:
         assert asyncio.run(call()) is False
     finally:
         rec.shutdown()
+
+
+def _commit_sizes(store: Store) -> list[int]:
+    """Each transaction's span count, recorded by wrapping the real insert."""
+    sizes: list[int] = []
+    insert = store.insert_spans
+
+    def counted(batch):
+        sizes.append(len(batch))
+        return insert(batch)
+
+    store.insert_spans = counted  # type: ignore[method-assign]
+    return sizes
+
+
+def test_a_call_alone_in_the_gateway_is_committed_without_the_delay(sqlite_url: str) -> None:
+    store = Store.open(sqlite_url)
+    sizes = _commit_sizes(store)
+    rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=30.0, in_flight=lambda: 1)
+
+    async def calls() -> list[float]:
+        waits = []
+        for i in range(3):  # one at a time, as one client does
+            t = time.monotonic()
+            assert await rec.record_durably(make_record(i, rollout_id=f"ro-alone-{i}"))
+            waits.append(time.monotonic() - t)
+        return waits
+
+    try:
+        assert max(asyncio.run(calls())) < 5.0  # nobody else in flight: the 30 s delay never applies
+    finally:
+        rec.shutdown()
+        store.close()
+    assert sizes == [1, 1, 1]
+
+
+def test_calls_in_flight_hold_the_group_until_they_have_arrived(sqlite_url: str) -> None:
+    store = Store.open(sqlite_url)
+    sizes = _commit_sizes(store)
+    in_flight = 8
+    rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=30.0, in_flight=lambda: in_flight)
+
+    async def calls() -> list[bool]:
+        async def one(i: int) -> bool:
+            await asyncio.sleep(0.02 * i)  # arriving one after another, each alone in the queue
+            return await rec.record_durably(make_record(i, rollout_id=f"ro-group-{i}"))
+
+        return await asyncio.gather(*(one(i) for i in range(in_flight)))
+
+    try:
+        t = time.monotonic()
+        assert asyncio.run(calls()) == [True] * in_flight
+        assert time.monotonic() - t < 10.0  # committed once the last one came, not after the delay
+    finally:
+        rec.shutdown()
+        store.close()
+    assert sizes == [in_flight]  # one transaction for all of them
+
+
+def test_the_group_delay_bounds_the_wait_for_calls_that_do_not_come(sqlite_url: str) -> None:
+    store = Store.open(sqlite_url)
+    sizes = _commit_sizes(store)
+    rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=0.2, in_flight=lambda: 5)
+
+    async def call() -> float:
+        t = time.monotonic()
+        assert await rec.record_durably(make_record(0, rollout_id="ro-late"))
+        return time.monotonic() - t
+
+    try:
+        waited = asyncio.run(call())
+    finally:
+        rec.shutdown()
+        store.close()
+    assert 0.15 < waited < 10.0, waited  # four calls "in flight" never record: the delay ends the wait
+    assert sizes == [1]

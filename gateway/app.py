@@ -20,7 +20,7 @@ import orjson
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.responses import PlainTextResponse, Response
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tracegym.gateway.api import openapi
 from tracegym.gateway.api import upstreams as upstreams_routes
@@ -46,7 +46,24 @@ log = logging.getLogger("tracegym.gateway")
 
 class GatewayApp(FastAPI):
     """FastAPI with ``front.GatewayFront`` outside its own middleware stack: the one way into the gateway,
-    whose inference routes skip every layer FastAPI and Starlette would add (see ``proxy/front.py``)."""
+    whose inference routes skip every layer FastAPI and Starlette would add (see ``proxy/front.py``).
+
+    FastAPI asks on every request whether an OpenTelemetry provider is configured for its own telemetry
+    (environment lookups, ~3 % of the gateway's CPU per call); here that is asked once, at the first
+    request, and without one the request goes straight to the middleware stack."""
+
+    _no_native_telemetry: bool | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.middleware_stack is not None and not self.root_path:
+            if self._no_native_telemetry is None:
+                native = getattr(self, "_native_telemetry", None)
+                self._no_native_telemetry = native is None or not native.enabled()
+            if self._no_native_telemetry:
+                scope["app"] = self
+                await self.middleware_stack(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
     def build_middleware_stack(self) -> ASGIApp:
         return GatewayFront(super().build_middleware_stack(), INFERENCE_ROUTES)

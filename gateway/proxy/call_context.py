@@ -54,8 +54,9 @@ def new_context(operation: str, path_rollout: str | None, headers: Any, *, id_pr
                 ) -> CallContext:
     """The call's attribution and id (``id_prefix``: the API's own, e.g. ``resp_``; else by operation)."""
     prefix = id_prefix or ("chatcmpl-" if operation == "chat" else "cmpl-")
-    rollout = path_rollout or headers.get("x-rollout-id") or None
-    task_id = headers.get("x-task-id") or None
+    given = _attribution(headers)
+    rollout = path_rollout or given.get(b"x-rollout-id") or None
+    task_id = given.get(b"x-task-id") or None
     for name, value in (("rollout_id", rollout), ("X-Task-Id", task_id)):
         if value is not None:
             try:
@@ -66,9 +67,25 @@ def new_context(operation: str, path_rollout: str | None, headers: Any, *, id_pr
         call_id=prefix + new_id(),
         rollout_id=rollout or f"adhoc-{new_id()}",
         task_id=task_id,
-        agent_name=headers.get("x-agent-name") or None,
+        agent_name=given.get(b"x-agent-name") or None,
         adhoc=rollout is None,
     )
+
+
+_ATTRIBUTION = frozenset({b"x-rollout-id", b"x-task-id", b"x-agent-name"})
+
+
+def _attribution(headers: Any) -> dict[bytes, str]:
+    """The attribution headers present, read in one pass over a Starlette ``Headers``' raw list (its
+    ``get`` scans the list once per name) or looked up in any other mapping."""
+    raw = getattr(headers, "raw", None)
+    if raw is None:
+        return {k: v for k in _ATTRIBUTION if (v := headers.get(k.decode()))}
+    found: dict[bytes, str] = {}
+    for k, v in raw:
+        if k in _ATTRIBUTION and k not in found:  # the first of repeated headers, as ``Headers.get``
+            found[k] = v.decode("latin-1")
+    return found
 
 
 async def plan_prompt(svc: Services, parsed: ParsedRequest, ctx: CallContext) -> Prompt:

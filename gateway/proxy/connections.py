@@ -3,7 +3,9 @@ may take to send a request's headers and then its body, and how many connections
 none of these (its keep-alive timeout only starts once a response is sent), so ``tracegym serve`` runs its
 httptools protocol with them added (``limited_protocol``): one timer per connection, re-armed at each
 stage, so a client that trickles its headers or body is answered 408 and closed, and a connection past
-``max_connections`` is answered 503 and closed before it is read."""
+``max_connections`` is answered 503 and closed before it is read. The same protocol sends a response's
+head and its body in one socket write (``OneWrite``): one system call and one wake-up of the client fewer
+per call."""
 
 from __future__ import annotations
 
@@ -26,10 +28,43 @@ _TIMED_OUT = _raw_response(408, "Request Timeout", "the request was not received
 _FULL = _raw_response(503, "Service Unavailable", "too many open connections: retry shortly", "too_many_connections")
 
 
+class OneWrite:
+    """The transport as one response cycle of uvicorn's sees it: the response head (the cycle's first write)
+    is held until the body's first write and both go out as one. Only for a response whose body follows at
+    once: not for a ``HEAD`` request (no body is written), and a chunked head (a stream, whose first chunk
+    may come later) or an interim ``100 Continue`` goes out at once."""
+
+    __slots__ = ("head", "transport")
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self.head
+        if head is not None:
+            self.head = None
+            self.transport.write(head + data)
+        elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 100 ") and \
+                b"\r\ntransfer-encoding: chunked\r\n" not in data:
+            self.head = data
+        else:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.head is not None:  # a response given up after its head: what was written goes out
+            self.transport.write(self.head)
+            self.head = None
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+
 def limited_protocol(header_timeout_s: float, body_timeout_s: float, max_connections: int) -> type:
     """uvicorn's httptools protocol (pass it as ``uvicorn.run(..., http=...)``) with a header deadline (from
     the connection's start, or from a kept-alive connection's next request's first byte), a body deadline
-    (from the end of the headers) and a connection limit."""
+    (from the end of the headers) and a connection limit; each response's head and body in one write."""
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
@@ -48,7 +83,9 @@ def limited_protocol(header_timeout_s: float, body_timeout_s: float, max_connect
                 self._arm(header_timeout_s)
 
         def on_headers_complete(self) -> None:
-            super().on_headers_complete()
+            super().on_headers_complete()  # makes the request's cycle and schedules its task
+            if self.cycle is not None and self.scope["method"] != "HEAD":
+                self.cycle.transport = OneWrite(self.transport)
             self._arm(body_timeout_s)
 
         def on_message_complete(self) -> None:

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tracegym.gateway.proxy.prompt.reasoning import ReasoningDelta, StreamingReasoningParser, split_reasoning
-from tracegym.gateway.proxy.prompt.tools import StreamingToolParser, ToolParse, ToolStreamDelta, parse_tools
+from tracegym.gateway.proxy.prompt.tools import (
+    StreamingToolParser,
+    ToolParse,
+    ToolStreamDelta,
+    _openai_call,
+    parse_tools,
+)
 
 
 class StreamTools(Protocol):
@@ -66,6 +72,25 @@ class Family:
     stream_reasoning: Callable[[bool], Any] = StreamingReasoningParser
     """``(opens_in_reasoning)`` → a parser with ``feed``/``finish`` (``ReasoningDelta`` lists), ``state`` and
     ``started``, as ``reasoning.StreamingReasoningParser``."""
+
+
+def partial_marker(buf: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``markers`` (text to hold
+    back while streaming: the next delta may complete the marker)."""
+    for n in range(min(max(map(len, markers)) - 1, len(buf)), 0, -1):
+        tail = buf[-n:]
+        if any(len(m) > n and m.startswith(tail) for m in markers):
+            return n
+    return 0
+
+
+def parse_whole(parser: StreamTools, text: str) -> ToolParse:
+    """A whole reply read by a streaming parser: its content events joined, its calls, its status (so a family
+    whose ``parse_tools`` is this streams exactly what it parses)."""
+    events = [*parser.feed(text), *parser.finish()] if text else parser.finish()
+    content = "".join(e.text for e in events if e.kind == "content")
+    calls = [_openai_call(e.name, e.arguments, e.id) for e in events if e.kind == "tool_call"]
+    return ToolParse(content or None, calls, parser.status)
 
 
 class BufferedToolParser:

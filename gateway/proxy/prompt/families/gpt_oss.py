@@ -17,100 +17,53 @@ yet, and renders one call per assistant message: a message with several calls is
 per call, each followed by its result when the results name them (``tool_call_id``). A tool offered
 without a description is given an empty one (the template cannot render it otherwise).
 
-Replies are decoded with the harmony tokens kept (``keep_tokens``) and read by ``split_reasoning``
-(the analysis messages) and ``parse_tools`` (commentary calls; final and commentary text is the content).
-A reply with no harmony markup at all is plain text.
+Replies are decoded with the harmony tokens kept (``keep_tokens``) and read incrementally
+(``harmony.py``): ``split_reasoning``/``stream_reasoning`` take the analysis messages, ``parse_tools``/
+``stream_tools`` the calls (final and commentary text is the content), so a stream sends reasoning and
+content as they are sampled and each call as its message ends. A reply with no harmony markup at all is
+plain text.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Collection
 from typing import Any
 
-from tracegym.gateway.proxy.prompt.families.base import BufferedReasoning, BufferedToolParser, Family
+from tracegym.gateway.proxy.prompt.families.base import Family, parse_whole
+from tracegym.gateway.proxy.prompt.families.harmony import (
+    CALL,
+    CHANNEL,
+    END,
+    MESSAGE,
+    RETURN,
+    START,
+    HarmonyReasoning,
+    HarmonyTools,
+)
 from tracegym.gateway.proxy.prompt.reasoning import split_reasoning as split_think
-from tracegym.gateway.proxy.prompt.tools import ToolParse, _openai_call, parse_status
+from tracegym.gateway.proxy.prompt.tools import ToolParse
 
-START, CHANNEL, MESSAGE, END, CALL, RETURN = "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"
 CONSTRAIN = "<|constrain|>"
 KEEP_TOKENS = (START, CHANNEL, MESSAGE, END, CONSTRAIN)
 """Special tokens kept when a reply is decoded: the structure the parsers read."""
-_TO = re.compile(r"to=(\S+?)(?=<\||\s|$)")
 
 
 def _recognise(template: str, tokens: Collection[str]) -> bool:
     return CHANNEL in tokens or CHANNEL in template
 
 
-def _messages(text: str) -> list[tuple[str, str, str | None, str, bool]] | None:
-    """``(channel, header, recipient, body, closed)`` per harmony message of a reply (which continues the
-    prompt's ``<|start|>assistant``); None when the text has no harmony markup."""
-    if MESSAGE not in text and CHANNEL not in text:
-        return None
-    out = []
-    for i, piece in enumerate(text.split(START)):
-        if i == 0 and not piece.strip():
-            continue
-        header, sep, body = piece.partition(MESSAGE)
-        closed = False
-        for stop in (END, CALL, RETURN):
-            j = body.find(stop)
-            if j >= 0:
-                body, closed = body[:j], True
-                break
-        channel = ""
-        if CHANNEL in header:
-            channel = re.split(r"[\s<]", header.split(CHANNEL, 1)[1], maxsplit=1)[0]
-        to = _TO.search(header)
-        out.append((channel, header if sep else piece, to.group(1) if to else None, body if sep else "", closed))
-    return out
-
-
 def split_reasoning(text: str, opens: bool = False) -> tuple[str | None, str]:
-    """The analysis messages' text (joined by a newline) and the reply without them."""
-    msgs = _messages(text)
-    if msgs is None:
-        return split_think(text, opens_in_reasoning=opens)
-    reasoning = [body for ch, _, to, body, _ in msgs if ch == "analysis" and to is None]
-    if not reasoning:
-        return None, text
-    rest = "".join(f"{START}{header}{MESSAGE}{body}{END}" for ch, header, to, body, _ in msgs
-                   if not (ch == "analysis" and to is None))
-    return "\n".join(reasoning), rest
+    """The analysis messages' text (joined by a newline) and the reply without them, as written
+    (``HarmonyReasoning`` over the whole reply)."""
+    r = HarmonyReasoning(opens)
+    deltas = [*r.feed(text), *r.finish()]
+    rest = "".join(d.text for d in deltas if d.kind == "text")
+    return ("".join(d.text for d in deltas if d.kind == "reasoning") if r.started else None), rest
 
 
 def parse_tools(text: str, names: Collection[str] | None = None) -> ToolParse:
-    msgs = _messages(text)
-    if msgs is None:
-        return ToolParse(text or None, [], "none")
-    texts, calls, failures = [], [], []
-    for channel, _header, to, body, _closed in msgs:
-        if to is None:
-            if channel in ("final", "commentary", "analysis") or not channel:
-                texts.append(body)
-            continue
-        if not to.startswith("functions."):
-            failures.append(f"recipient {to[:80]!r} is not a function")
-            continue
-        name = to[len("functions."):]
-        if names is not None and name not in names:
-            failures.append(f"unknown tool {name[:80]!r}")
-            continue
-        try:
-            args = json.loads(body)
-        except ValueError as e:
-            failures.append(f"arguments are not JSON ({getattr(e, 'msg', e)})")
-            continue
-        if not isinstance(args, dict):
-            failures.append(f"arguments are not an object ({type(args).__name__})")
-            continue
-        calls.append((name, body.strip()))
-    if failures:
-        return ToolParse(text, [], parse_status(0, failures))
-    content = "\n".join(t for t in texts if t) or None
-    return ToolParse(content, [_openai_call(n, a) for n, a in calls], parse_status(len(calls), []))
+    """The whole reply read by ``HarmonyTools`` (streamed and whole parses agree by construction)."""
+    return parse_whole(HarmonyTools(names), text)
 
 
 def prepare(messages: list[dict[str, Any]], **kwargs: Any) -> tuple[list[dict[str, Any]], list | None]:
@@ -181,7 +134,6 @@ FAMILY = Family(
     prepare=prepare,
     split_reasoning=split_reasoning,
     parse_tools=parse_tools,
-    stream_tools=lambda names: BufferedToolParser(parse_tools, (CHANNEL, "to=", START, MESSAGE), names,
-                                                  at_start=True),
-    stream_reasoning=lambda opens: BufferedReasoning(split_reasoning, opens),
+    stream_tools=HarmonyTools,
+    stream_reasoning=HarmonyReasoning,
 )

@@ -9,7 +9,8 @@ folder is fetched from the hub by its ``scripts/get_chat_template.py``). It is m
 
 Tool calls: a reply that is a call is ``{"name": NAME, "parameters": {...}}`` (the template's instruction;
 ``arguments`` is accepted too), optionally after ``<|python_tag|>`` (a special token, gone from decoded
-text). Several calls separated by ``;`` are parsed, but the template renders one call per assistant
+text). Replies are read incrementally (``StreamingToolParser``): a stream sends each call as its closing
+brace arrives. Several calls separated by ``;`` are parsed, but the template renders one call per assistant
 message and raises otherwise, so a history message with several calls is rendered as consecutive
 assistant messages of one call each (a rewrite: prefix reuse reports it as ``realigned``). Tool results
 render in the ``ipython`` role (the template JSON-encodes their content).
@@ -18,13 +19,21 @@ render in the ``ipython`` role (the template JSON-encodes their content).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection
 from typing import Any
 
-from tracegym.gateway.proxy.prompt.families.base import BufferedToolParser, Family
-from tracegym.gateway.proxy.prompt.tools import ToolParse, _openai_call, named_call, parse_status
+from tracegym.gateway.proxy.prompt.families.base import Family, parse_whole
+from tracegym.gateway.proxy.prompt.tools import (
+    ToolParse,
+    ToolStreamDelta,
+    named_call,
+    new_call_id,
+    parse_status,
+)
 
 PYTHON_TAG = "<|python_tag|>"
+_SEPARATORS = " \t\r\n;"
 
 
 def _recognise(template: str, tokens: Collection[str]) -> bool:
@@ -46,31 +55,146 @@ def _one_call(obj: Any, names: Collection[str] | None) -> tuple[str, str] | str:
     return name, json.dumps(args, ensure_ascii=False)
 
 
+class JsonObjectEnd:
+    """Where a JSON object that starts a text ends, fed piece by piece: ``{`` to its matching ``}``, brackets
+    in strings (and escaped quotes) skipped. Whether the object is valid JSON is ``json.loads``' to say."""
+
+    __slots__ = ("_depth", "_escaped", "_in_string")
+    _SPECIAL = re.compile(r'[{}\[\]"\\]')
+
+    def __init__(self) -> None:
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def feed(self, chunk: str) -> int:
+        """The index in ``chunk`` just past the object's end, or -1 while it is still open."""
+        skip = 0 if self._escaped else -1  # the character after a backslash is escaped
+        self._escaped = False
+        for m in self._SPECIAL.finditer(chunk):
+            i, ch = m.start(), m.group()
+            if i == skip:
+                continue
+            if self._in_string:
+                if ch == "\\":
+                    skip = i + 1
+                    self._escaped = skip == len(chunk)
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return -1
+
+
+class StreamingToolParser:
+    """Llama 3 replies, incrementally: the reply is calls when, after whitespace and an optional
+    ``<|python_tag|>``, it starts with ``{``; each JSON call object is a call as soon as its closing brace
+    arrives, ``;`` and whitespace between calls are dropped. The first thing that is not a well-formed call
+    of an offered tool (invalid JSON, arguments that are not an object, an unknown tool, other text after a
+    call) ends the calls: from there the text is content as written (the whole reply when no call came
+    before it), and the status says why. Any other reply is content, unchanged."""
+
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        self._names = names
+        self._mode = "start"  # start (undecided) | calls | text (the rest is content)
+        self._held = ""  # start: the undecided text; calls: everything since the reply began, until a call
+        self._object: JsonObjectEnd | None = None  # the call object being read
+        self._segment = ""  # its text so far
+        self._calls = 0
+        self._failure: str | None = None
+
+    @property
+    def status(self) -> str:
+        if self._mode == "start" or (self._mode == "text" and self._failure is None):
+            return "none"
+        return parse_status(self._calls, [self._failure] if self._failure else [])
+
+    def feed(self, delta: str) -> list[ToolStreamDelta]:
+        if self._mode == "text":
+            return [ToolStreamDelta("content", delta)] if delta else []
+        if self._mode == "calls":
+            return self._read_calls(delta)
+        self._held += delta
+        body = self._held.lstrip()
+        if body.startswith(PYTHON_TAG):
+            body = body[len(PYTHON_TAG):].lstrip()
+        elif PYTHON_TAG.startswith(body):
+            return []  # whitespace, or what may become the tag
+        if not body:
+            return []
+        if body[0] != "{":
+            self._mode, held, self._held = "text", self._held, ""
+            return [ToolStreamDelta("content", held)]
+        self._mode = "calls"
+        self._held = self._held[: len(self._held) - len(body)]  # the text before the first call object
+        return self._read_calls(body)
+
+    def finish(self) -> list[ToolStreamDelta]:
+        if self._mode == "start":
+            self._mode, held, self._held = "text", self._held, ""
+            return [ToolStreamDelta("content", held)] if held else []
+        if self._mode == "calls" and self._object is not None:
+            try:
+                json.loads(self._segment)
+                reason = "unterminated call object"
+            except ValueError as e:
+                reason = f"invalid JSON ({getattr(e, 'msg', e)})"
+            except RecursionError:
+                reason = "invalid JSON (nested too deeply)"
+            return self._fail(reason, "")
+        return []
+
+    def _read_calls(self, chunk: str) -> list[ToolStreamDelta]:
+        out: list[ToolStreamDelta] = []
+        while chunk:
+            if self._object is None:  # between calls
+                body = chunk.lstrip(_SEPARATORS)
+                if self._calls == 0:
+                    self._held += chunk[: len(chunk) - len(body)]
+                if not body:
+                    return out
+                if body[0] != "{":
+                    return out + self._fail("text after the tool calls", body)
+                chunk, self._object, self._segment = body, JsonObjectEnd(), ""
+            end = self._object.feed(chunk)
+            if end < 0:
+                self._segment += chunk
+                return out
+            self._segment += chunk[:end]
+            chunk, self._object = chunk[end:], None
+            call = _parse_call(self._segment, self._names)
+            if isinstance(call, str):
+                return out + self._fail(call, chunk)
+            out.append(ToolStreamDelta("tool_call", index=self._calls, id=new_call_id(), name=call[0],
+                                       arguments=call[1]))
+            self._calls, self._held, self._segment = self._calls + 1, "", ""
+        return out
+
+    def _fail(self, reason: str, rest: str) -> list[ToolStreamDelta]:
+        """The calls end here: the failed call (with all that came before it when no call did) and ``rest``
+        are content."""
+        text = (self._held + self._segment if self._calls == 0 else self._segment) + rest
+        self._mode, self._failure, self._object, self._held, self._segment = "text", reason, None, "", ""
+        return [ToolStreamDelta("content", text)] if text else []
+
+
+def _parse_call(segment: str, names: Collection[str] | None) -> tuple[str, str] | str:
+    try:
+        obj = json.loads(segment)
+    except ValueError as e:
+        return f"invalid JSON ({getattr(e, 'msg', e)})"
+    except RecursionError:
+        return "invalid JSON (nested too deeply)"
+    return _one_call(obj, names)
+
+
 def parse_tools(text: str, names: Collection[str] | None = None) -> ToolParse:
-    """The reply is calls when, after whitespace and an optional ``<|python_tag|>``, it starts with ``{``;
-    then it must be JSON call objects separated by ``;`` and nothing else, or the parse fails (the text
-    stays the content)."""
-    body = text.strip()
-    if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG):].lstrip()
-    if not body.startswith("{"):
-        return ToolParse(text or None, [], "none")
-    decoder, pos, calls = json.JSONDecoder(), 0, []
-    while pos < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, pos)
-        except ValueError as e:
-            return ToolParse(text, [], parse_status(0, [f"invalid JSON ({getattr(e, 'msg', e)})"]))
-        except RecursionError:
-            return ToolParse(text, [], parse_status(0, ["invalid JSON (nested too deeply)"]))
-        call = _one_call(obj, names)
-        if isinstance(call, str):
-            return ToolParse(text, [], parse_status(0, [call]))
-        calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in " \t\r\n;":
-            pos += 1
-    return ToolParse(None, [_openai_call(n, a) for n, a in calls], "ok")
+    """The whole reply read by ``StreamingToolParser`` (streamed and whole parses agree by construction)."""
+    return parse_whole(StreamingToolParser(names), text)
 
 
 def prepare(messages: list[dict[str, Any]], **kwargs: Any) -> tuple[list[dict[str, Any]], list | None]:
@@ -98,5 +222,5 @@ FAMILY = Family(
                      "the system prompt gains the template's date header",
     prepare=prepare,
     parse_tools=parse_tools,
-    stream_tools=lambda names: BufferedToolParser(parse_tools, ("{", PYTHON_TAG), names, at_start=True),
+    stream_tools=StreamingToolParser,
 )

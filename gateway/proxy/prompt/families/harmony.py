@@ -1,0 +1,291 @@
+"""OpenAI's harmony format read incrementally: a gpt-oss reply (which continues the prompt's
+``<|start|>assistant``) is a sequence of messages ``{header}<|message|>{body}<|end|>``, each after the first
+opened by ``<|start|>``; the header names the channel (``<|channel|>analysis``, ``commentary``, ``final``)
+and, for a tool call, the recipient (``to=functions.NAME``). A body ends at ``<|end|>``, ``<|call|>`` or
+``<|return|>`` (the last two are stop tokens, gone from decoded text) or where the next message starts.
+
+Two readers, each fed text deltas, each deciding a message when its header is complete:
+
+- ``HarmonyReasoning`` (the family's ``split_reasoning``/``stream_reasoning``): the bodies of analysis
+  messages without a recipient are the reasoning (joined by a newline), streamed as they come; the rest of
+  the text passes through as written (the analysis messages cut out) for the tool reader.
+- ``HarmonyTools`` (``parse_tools``/``stream_tools``): final and commentary bodies without a recipient are
+  the content (non-empty ones joined by a newline), streamed as they come; a message to ``functions.NAME``
+  is a call once it ends (its body must be a JSON object, the tool one the request offered); one that does
+  not parse stays in the content as written (its markup included) and fails the parse.
+
+A reply with no ``<|message|>`` or ``<|channel|>`` at all is not harmony: it is held to its end, then read
+as plain text (``<think>`` reasoning, no calls).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection
+
+from tracegym.gateway.proxy.prompt.families.base import partial_marker
+from tracegym.gateway.proxy.prompt.reasoning import ReasoningDelta
+from tracegym.gateway.proxy.prompt.reasoning import split_reasoning as split_think
+from tracegym.gateway.proxy.prompt.tools import ToolStreamDelta, new_call_id, parse_status
+
+START, CHANNEL, MESSAGE, END, CALL, RETURN = "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"
+STOPS = (END, CALL, RETURN)
+_TO = re.compile(r"to=(\S+?)(?=<\||\s|$)")
+_CHANNEL_END = re.compile(r"[\s<]")
+
+
+def channel(header: str) -> str:
+    return _CHANNEL_END.split(header.split(CHANNEL, 1)[1], maxsplit=1)[0] if CHANNEL in header else ""
+
+
+def recipient(header: str) -> str | None:
+    to = _TO.search(header)
+    return to.group(1) if to else None
+
+
+def _first(buf: str, markers: tuple[str, ...]) -> tuple[int, str]:
+    """The earliest of ``markers`` in ``buf``: ``(index, marker)``, or ``(-1, "")``."""
+    found = [(i, m) for m in markers if (i := buf.find(m)) >= 0]
+    return min(found) if found else (-1, "")
+
+
+class _Messages:
+    """The message machine both readers share, fed through ``_read``: ``_buf`` holds the text not read yet;
+    subclasses say what a message is once its header is known (``_opened``), what to do with its body text
+    (``_body``), with its end (``_closed``: the stop marker, ``<|start|>`` when the next message begins, or
+    "" at the reply's end), with text between its stop marker and the next message (``_tail``) and with
+    text outside any message (``_passed``: the reply's leading whitespace)."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._markup = False  # a <|message|> or <|channel|> was seen: the reply is harmony
+        self._state = "header"  # header | body | tail (after a stop marker, up to the next message)
+        self._prefix = ""  # how the current message began: "" (the reply's first) or <|start|>
+        self._header = ""
+
+    def _decided(self) -> bool:
+        """Whether the reply is known to be harmony (until then it is held whole)."""
+        if not self._markup and (MESSAGE in self._buf or CHANNEL in self._buf):
+            self._markup = True
+        return self._markup
+
+    def _read(self, final: bool) -> None:
+        while True:
+            if self._state == "header":
+                i, m = _first(self._buf, (MESSAGE, START))
+                if i < 0:
+                    keep = 0 if final else partial_marker(self._buf, (MESSAGE, START))
+                    self._header += self._buf[: len(self._buf) - keep]
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    if final:
+                        self._header_only()
+                    return
+                self._header += self._buf[:i]
+                self._buf = self._buf[i + len(m):]
+                if m == START:
+                    self._header_only()
+                    self._prefix, self._header = START, ""
+                    continue
+                self._opened(self._prefix, self._header, True)
+                self._state = "body"
+                continue
+            markers = (*STOPS, START) if self._state == "body" else (START,)
+            i, m = _first(self._buf, markers)
+            if i < 0:
+                keep = 0 if final else partial_marker(self._buf, markers)
+                text, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                if self._state == "body":
+                    self._body(text)
+                    if final:
+                        self._closed("")
+                else:
+                    self._tail(text)
+                return
+            text, self._buf = self._buf[:i], self._buf[i + len(m):]
+            if self._state == "body":
+                self._body(text)
+                self._closed(m)
+            else:
+                self._tail(text)
+            if m == START:
+                self._state, self._prefix, self._header = "header", START, ""
+            else:
+                self._state = "tail"
+
+    def _header_only(self) -> None:
+        """A header that no ``<|message|>`` followed (the reply's leading whitespace is no message)."""
+        if self._prefix or self._header.strip():
+            self._opened(self._prefix, self._header, False)
+            self._closed("")
+        else:
+            self._passed(self._header)
+
+    def _opened(self, prefix: str, header: str, has_body: bool) -> None:
+        raise NotImplementedError
+
+    def _body(self, text: str) -> None:
+        raise NotImplementedError
+
+    def _closed(self, marker: str) -> None:
+        raise NotImplementedError
+
+    def _tail(self, text: str) -> None:
+        """Text after a message's stop marker, before the next message: dropped unless a reader keeps it."""
+
+    def _passed(self, text: str) -> None:
+        """Text outside any message: dropped unless a reader keeps it."""
+
+
+class HarmonyReasoning(_Messages):
+    """Analysis bodies as reasoning deltas (joined by a newline), everything else as text deltas as written,
+    as they come (``feed``, ``finish``); ``started``: an analysis message was seen. ``opens``: the prompt
+    ended inside ``<think>`` (for a reply that turns out not to be harmony)."""
+
+    def __init__(self, opens: bool = False) -> None:
+        super().__init__()
+        self._opens = opens
+        self.state = "start"
+        self.started = False
+        self._analysis = False  # the current message is analysis
+        self._out: list[ReasoningDelta] = []
+
+    def feed(self, delta: str) -> list[ReasoningDelta]:
+        self._buf += delta
+        self._out = []
+        if self._decided():
+            self._read(final=False)
+        return self._out
+
+    def finish(self) -> list[ReasoningDelta]:
+        self._out = []
+        if self._decided():
+            self._read(final=True)
+        else:
+            reasoning, text = split_think(self._buf, opens_in_reasoning=self._opens)
+            self._buf = ""
+            if reasoning is not None:
+                self.started = True
+                self._out.append(ReasoningDelta("reasoning", reasoning))
+            self._emit("text", text)
+        self.state = "text"
+        return self._out
+
+    def _emit(self, kind: str, text: str) -> None:
+        if text:
+            self._out.append(ReasoningDelta(kind, text))  # type: ignore[arg-type]
+
+    def _opened(self, prefix: str, header: str, has_body: bool) -> None:
+        self._analysis = channel(header) == "analysis" and recipient(header) is None
+        if self._analysis:
+            if self.started:
+                self._emit("reasoning", "\n")
+            self.started = True
+        else:
+            self._emit("text", prefix + header + (MESSAGE if has_body else ""))
+
+    def _body(self, text: str) -> None:
+        self._emit("reasoning" if self._analysis else "text", text)
+
+    def _closed(self, marker: str) -> None:
+        if not self._analysis and marker != START:
+            self._emit("text", marker)
+
+    def _tail(self, text: str) -> None:
+        if not self._analysis:
+            self._emit("text", text)
+
+    def _passed(self, text: str) -> None:
+        self._emit("text", text)
+
+
+class HarmonyTools(_Messages):
+    """Content deltas and calls as they come (``feed``, ``finish``, ``status``), ``StreamTools``' protocol;
+    ``names``: the offered tools (None: any)."""
+
+    def __init__(self, names: Collection[str] | None = None) -> None:
+        super().__init__()
+        self._names = names
+        self._kind = "skip"  # the current message: text (content) | call | skip (another channel)
+        self._sent_text = False  # content was sent (a later piece starts with a newline)
+        self._piece_started = False  # the current message's content has begun
+        self._to: str | None = None
+        self._raw = ""  # a call message as written
+        self._args = ""
+        self._calls = 0
+        self._failures: list[str] = []
+        self._out: list[ToolStreamDelta] = []
+
+    @property
+    def status(self) -> str:
+        return parse_status(self._calls, self._failures)
+
+    def feed(self, delta: str) -> list[ToolStreamDelta]:
+        self._buf += delta
+        self._out = []
+        if self._decided():
+            self._read(final=False)
+        return self._out
+
+    def finish(self) -> list[ToolStreamDelta]:
+        self._out = []
+        if self._decided():
+            self._read(final=True)
+        elif self._buf:
+            self._out.append(ToolStreamDelta("content", self._buf))
+            self._buf = ""
+        return self._out
+
+    def _content(self, text: str) -> None:
+        if not text:
+            return
+        if not self._piece_started:
+            self._piece_started = True
+            if self._sent_text:
+                text = "\n" + text
+        self._sent_text = True
+        self._out.append(ToolStreamDelta("content", text))
+
+    def _opened(self, prefix: str, header: str, has_body: bool) -> None:
+        self._to, self._piece_started = recipient(header), False
+        if self._to is not None:
+            self._kind, self._raw, self._args = "call", prefix + header + (MESSAGE if has_body else ""), ""
+        else:
+            self._kind = "text" if channel(header) in ("final", "commentary", "analysis", "") else "skip"
+
+    def _body(self, text: str) -> None:
+        if self._kind == "text":
+            self._content(text)
+        elif self._kind == "call":
+            self._args += text
+            self._raw += text
+
+    def _closed(self, marker: str) -> None:
+        if self._kind != "call":
+            return
+        self._kind = "skip"
+        call = self._call(self._to or "", self._args)
+        if isinstance(call, str):
+            self._failures.append(call)
+            self._content(self._raw + (marker if marker != START else ""))
+            return
+        self._out.append(ToolStreamDelta("tool_call", index=self._calls, id=new_call_id(), name=call[0],
+                                         arguments=call[1]))
+        self._calls += 1
+
+    def _call(self, to: str, body: str) -> tuple[str, str] | str:
+        """``(name, arguments as sampled)`` of a message to ``to``, or why it is not a call."""
+        if not to.startswith("functions."):
+            return f"recipient {to[:80]!r} is not a function"
+        name = to[len("functions."):]
+        if self._names is not None and name not in self._names:
+            return f"unknown tool {name[:80]!r}"
+        try:
+            args = json.loads(body)
+        except ValueError as e:
+            return f"arguments are not JSON ({getattr(e, 'msg', e)})"
+        except RecursionError:
+            return "arguments are not JSON (nested too deeply)"
+        if not isinstance(args, dict):
+            return f"arguments are not an object ({type(args).__name__})"
+        return name, body.strip()

@@ -392,25 +392,31 @@ async def sse_stream(
     """The response body. ``first`` was pulled before the response started (so connection errors
     became proper 502/504 statuses); errors after that arrive as the API's SSE error event.
 
-    The events made at one moment (the opening and the first upstream event; those of one upstream event;
-    the closing) go out as one body chunk, one socket write: the Responses and Messages grammars send
-    several events where chat sends one chunk, and a write per event would cost each call a syscall per event.
+    The events made at one moment (the opening and the first upstream event; those of the upstream events
+    received in one read, ``StreamEvent.more``; the closing) go out as one body chunk, one socket write: the
+    Responses and Messages grammars send several events where chat sends one chunk, and a write per event
+    would cost each call a syscall (and a wake-up of its client) per event.
 
     The last chunk (the closing events, or the error events) waits until the call's span is committed
     (``call_context.acknowledge``, at most ``commit_timeout_s``); a span the store did not take (in time) ends
     the stream with the API's error event instead of its normal end."""
     error: str | None = "client disconnected"
     recorded = False
+    held: list[bytes] = []
     try:
-        out = writer.opening()
+        held = writer.opening()
         if first is not None:
-            out += writer.on_event(first)
-        if out:
-            yield b"".join(out)
+            held += writer.on_event(first)
+        if held and (first is None or not first.more):
+            yield b"".join(held)
+            held = []
         async for ev in events:
-            out = writer.on_event(ev)
-            if out:
-                yield b"".join(out)
+            held += writer.on_event(ev)
+            if held and not ev.more:  # nothing else received with it: out now
+                yield b"".join(held)
+                held = []
+        if held:
+            yield b"".join(held)
         error = None
         last = writer.closing()
         recorded = True
@@ -424,7 +430,7 @@ async def sse_stream(
         await _close_events(events)
         recorded = True
         await settled(writer.record(error), commit_timeout_s)
-        yield b"".join(writer.error_events(e))
+        yield b"".join(held + writer.error_events(e))  # what was received before the error, then the error
     except asyncio.CancelledError:
         error = "client disconnected"
         raise

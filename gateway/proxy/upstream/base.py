@@ -110,6 +110,9 @@ class StreamEvent:
     prompt_ids: list[int] | None = None
     weight_version: str | None = None
     completion_tokens: int | None = None
+    more: bool = False
+    """More events were received with this one (``http.sse_events``): a stream writer may hold its output
+    for theirs and send them in one write."""
 
 
 @dataclass(slots=True)

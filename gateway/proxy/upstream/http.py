@@ -65,19 +65,36 @@ def error_message(text: str) -> str:
     return text
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[Any]:
-    """Parsed JSON payloads of ``data:`` lines until ``[DONE]``; an ``{"error": ...}`` event raises."""
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[Any, bool]]:
+    """``(payload, more)``: the parsed JSON payloads of ``data:`` lines until ``[DONE]``, each with whether
+    more events arrived in the same read from the socket (they are here already: a stream writer can send
+    them together, one write instead of one per event). An ``{"error": ...}`` event raises."""
+    content = resp.content
+    rest = b""
+    while True:
+        chunk = await content.readany()
+        if chunk:
+            *lines, rest = (rest + chunk).split(b"\n")
+        else:  # the end of the body: what is left is the last line
+            lines, rest = [rest], b""
+        events, done = [], False
+        for raw in lines:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            event = orjson.loads(data)
+            if isinstance(event, dict) and "error" in event and len(event) == 1:
+                raise UpstreamRejected(502, error_message(data.decode(errors="replace")))
+            events.append(event)
+        last = len(events) - 1
+        for i, event in enumerate(events):
+            yield event, i < last
+        if done or not chunk:
             return
-        event = orjson.loads(data)
-        if isinstance(event, dict) and "error" in event and len(event) == 1:
-            raise UpstreamRejected(502, error_message(data.decode(errors="replace")))
-        yield event
 
 
 class BackgroundTasks:

@@ -175,8 +175,10 @@ class OpenAIUpstream(Upstream):
         with upstream_errors(self._url(req), self._timeout_s):
             resp = await self._open(req, stream=True)
             try:
-                async for chunk in sse_events(resp):
-                    for ev in parse_stream_chunk(chunk, req.operation):
+                async for chunk, more in sse_events(resp):
+                    evs = parse_stream_chunk(chunk, req.operation)
+                    for i, ev in enumerate(evs):
+                        ev.more = more or i < len(evs) - 1
                         yield ev
                 finished = True
             finally:

@@ -362,8 +362,10 @@ class SGLangUpstream(Upstream):
             )
             try:
                 await check_status(resp)
-                async for item in sse_events(resp):
-                    yield converter.delta(item)
+                async for item, more in sse_events(resp):
+                    ev = converter.delta(item)
+                    ev.more = more
+                    yield ev
                 finished = True
             finally:
                 if not finished:  # consumer went away or the stream broke: stop the generation upstream

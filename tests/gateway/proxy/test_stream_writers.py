@@ -47,6 +47,13 @@ def test_sse_event_shape() -> None:
     assert sse_event({"type": "x", "a": 1}) == b'event: x\ndata: {"type":"x","a":1}\n\n'
 
 
+class _Ev:
+    """A stand-in upstream event: a name, and whether more were received with it."""
+
+    def __init__(self, name: str, more: bool = False) -> None:
+        self.name, self.more = name, more
+
+
 class _Writer:
     """An ``EventWriter`` that names its events by what made them."""
 
@@ -58,8 +65,8 @@ class _Writer:
     def opening(self) -> list[bytes]:
         return [b"open1 ", b"open2 "]
 
-    def on_event(self, ev: object) -> list[bytes]:
-        return [] if ev == "quiet" else [f"{ev}.a ".encode(), f"{ev}.b ".encode()]
+    def on_event(self, ev: _Ev) -> list[bytes]:
+        return [] if ev.name == "quiet" else [f"{ev.name}.a ".encode(), f"{ev.name}.b ".encode()]
 
     def closing(self) -> list[bytes]:
         return [b"close1 ", b"close2"]
@@ -71,19 +78,30 @@ class _Writer:
         self.recorded.append(error)
 
 
-def test_events_of_one_moment_are_one_chunk() -> None:
+def _chunks(first: _Ev, rest: list[_Ev]) -> tuple[list[bytes], _Writer]:
     import asyncio
 
     from tracegym.gateway.proxy.streaming import sse_stream
 
-    async def upstream() -> AsyncIterator[str]:
-        for ev in ("e2", "quiet", "e3"):
+    async def upstream() -> AsyncIterator[_Ev]:
+        for ev in rest:
             yield ev
 
     async def collect() -> list[bytes]:
-        return [chunk async for chunk in sse_stream(writer, "e1", upstream(), 10.0)]  # type: ignore[arg-type]
+        return [chunk async for chunk in sse_stream(writer, first, upstream(), 10.0)]  # type: ignore[arg-type]
 
     writer = _Writer()
-    chunks = asyncio.run(collect())
+    return asyncio.run(collect()), writer
+
+
+def test_events_of_one_moment_are_one_chunk() -> None:
+    chunks, writer = _chunks(_Ev("e1"), [_Ev("e2"), _Ev("quiet"), _Ev("e3")])
     assert chunks == [b"open1 open2 e1.a e1.b ", b"e2.a e2.b ", b"e3.a e3.b ", b"close1 close2"]
     assert writer.recorded == [None]
+
+
+def test_events_received_together_are_one_chunk() -> None:
+    chunks, _ = _chunks(_Ev("e1", more=True), [_Ev("e2", more=True), _Ev("e3"), _Ev("e4", more=True), _Ev("e5")])
+    assert chunks == [b"open1 open2 e1.a e1.b e2.a e2.b e3.a e3.b ", b"e4.a e4.b e5.a e5.b ", b"close1 close2"]
+    chunks, _ = _chunks(_Ev("e1"), [_Ev("e2", more=True)])  # the stream ended right after: still sent first
+    assert chunks == [b"open1 open2 e1.a e1.b ", b"e2.a e2.b ", b"close1 close2"]

@@ -125,6 +125,8 @@ def _add_tinker_serve(sub: argparse._SubParsersAction) -> None:
                    "samplers are refused)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget of one forward/backward "
                    "micro-batch")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="training compute dtype: "
+                   "bf16 autocast where this CPU or GPU runs it fast (else fp32); weights and AdamW stay fp32")
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads of the training workers")
     p.add_argument("--admin-key", default=None, help="the key every route but the health check needs "
                    "(default $TRACEGYM_ADMIN_KEY)")

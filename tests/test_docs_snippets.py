@@ -24,8 +24,11 @@ PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.
 PAGE_GATEWAY = "http://127.0.0.1:8000"
 PAGE_MODEL = "smollm2-135m"
 
-NOT_RUN: dict[str, str] = {}
-"""A block's first line → why it cannot run here (a GPU, a cluster). None now: every block runs."""
+NOT_RUN: dict[str, str] = {
+    "service = tinker.ServiceClient(": "talks to tracegym tinker-serve, not the gateway: it runs as written against "
+    "the service in tests/trainer/service/test_tinker_sdk.py (test_the_docs_example_runs)",
+}
+"""A block's first line → why it cannot run against the gateway here, and where it runs instead."""
 
 AFTERWARDS = {
     "def agent(": 'print("reward", agent({"question": "What is 17 + 25?", "answer": 42}, "{gateway}/v1"))',

@@ -53,6 +53,8 @@ EXPENSIVE = {
     "tests/test_compose.py)",
     "kubectl exec": "needs a Kubernetes cluster with KubeRay (joining a running Ray cluster: "
     "tests/e2e/test_train_ray.py, slow)",
+    "tracegym tinker-serve --model smollm2-135m": "serves SmolLM2 until stopped (tiny-random's service: "
+    "tests/trainer/service/conftest.py; SmolLM2's: tests/trainer/service/test_tinker_smollm2.py, slow)",
     "tracegym enqueue examples/": "the examples table: each framework example runs against tiny-random in "
     "tests/e2e/test_examples.py",
     "tracegym run examples/": "the examples table: each framework example runs against tiny-random in "

@@ -44,7 +44,12 @@ def main(args: argparse.Namespace) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(args.model)
     cfg = ServiceConfig(model=args.model, model_dir=model_dir, state_dir=state_dir, admin_key=admin_key,
-                        torch_threads=args.torch_threads, micro_batch_tokens=args.micro_batch_tokens)
+                        torch_threads=args.torch_threads, micro_batch_tokens=args.micro_batch_tokens,
+                        dtype=args.dtype)
+    if args.dtype == "bfloat16":
+        from tracegym.modelfiles.load import decide_cpu_bf16
+
+        decide_cpu_bf16()  # one bf16-or-fp32 decision for the workers and the engine the gateway starts
 
     @contextlib.asynccontextmanager
     async def make_state() -> AsyncIterator[ServiceState]:

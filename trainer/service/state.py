@@ -32,6 +32,9 @@ class ServiceConfig:
     admin_key: str | None = None
     torch_threads: int | None = None
     micro_batch_tokens: int = 4096
+    dtype: str = "bfloat16"
+    """The workers' compute dtype, as the recipe's ``optim.dtype``: master weights and AdamW state are fp32;
+    ``bfloat16`` autocasts where this machine runs bf16 fast (``modelfiles.load.cpu_compute_dtype``)."""
     gap_timeout: float = 300.0
     seed: int = 0
 
@@ -110,7 +113,7 @@ class ServiceState:
             assert lora is not None
             lora_cfg = LoraConfig(rank=rank, target_modules=lora_targets(self.cfg.model_dir, lora))
         seed = self.cfg.seed if lora is None or lora.get("seed") is None else int(lora["seed"])
-        cfg = TrainConfig(optim=OptimConfig(dtype="float32", micro_batch_tokens=self.cfg.micro_batch_tokens),
+        cfg = TrainConfig(optim=OptimConfig(dtype=self.cfg.dtype, micro_batch_tokens=self.cfg.micro_batch_tokens),
                           lora=lora_cfg, seed=seed, torch_threads=self.cfg.torch_threads, entropy_tokens=0)
         return WorkerGroup(self.cfg.model_dir, num_workers=1, train_cfg=cfg, use_ray=False)
 

@@ -15,6 +15,7 @@ import pytest
 from tests.procs import ManagedProcess, free_port, start_process
 
 ADMIN_KEY = "service-test-key"
+SMOLLM2_KEY = "smollm2-service-key"
 MODEL = "tiny-random"
 
 
@@ -43,10 +44,21 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     state = tmp_path_factory.mktemp("tinker-service")
     port = free_port()
     argv = ["tracegym", "tinker-serve", "--model", MODEL, "--port", str(port), "--state-dir", str(state),
-            "--micro-batch-tokens", "4096", "--log-level", "warning"]
+            "--micro-batch-tokens", "4096", "--dtype", "float32", "--log-level", "warning"]
     with start_process(argv, port=port, log_path=state / "service.log", health_path="/healthz", timeout=300,
                        env={"TRACEGYM_ADMIN_KEY": ADMIN_KEY, "TINKER_TELEMETRY": "0"}) as proc:
         yield Service(proc, state)
+
+
+@pytest.fixture(scope="session")
+def smollm2_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+    """``tracegym tinker-serve --model smollm2-135m`` (slow tests only), bf16 where this CPU runs it fast."""
+    state = tmp_path_factory.mktemp("tinker-smollm2")
+    port = free_port()
+    argv = ["tracegym", "tinker-serve", "--model", "smollm2-135m", "--port", str(port), "--state-dir", str(state)]
+    with start_process(argv, port=port, log_path=state / "service.log", health_path="/healthz", timeout=600,
+                       env={"TRACEGYM_ADMIN_KEY": SMOLLM2_KEY, "TINKER_TELEMETRY": "0"}) as proc:
+        yield proc
 
 
 def result(c: httpx.Client, answer: httpx.Response, timeout: float = 120.0) -> dict[str, Any]:

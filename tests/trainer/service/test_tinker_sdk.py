@@ -6,6 +6,10 @@ prefix)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,3 +110,20 @@ def test_sdk_callers_get_the_service_message(client: tinker.ServiceClient) -> No
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     with pytest.raises(tinker.NotFoundError, match="weight version '77' was never published"):
         client.create_sampling_client(model_path=f"tinker://{tc.model_id}/sampler_weights/77").result()
+
+
+def test_the_docs_example_runs(service: Service, tmp_path: Path) -> None:
+    """docs/tinker.md's client example, as written, against this service: only its address, key and model
+    name are this test's."""
+    page = (Path(__file__).resolve().parents[3] / "docs" / "tinker.md").read_text()
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "tinker.ServiceClient(" in b]
+    code = (code.replace("http://127.0.0.1:8100", service.url).replace("tml-choose-a-key", "tml-" + ADMIN_KEY)
+            .replace('"smollm2-135m"', f'"{MODEL}"'))
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TINKER_TELEMETRY": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = [float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("loss ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert len([line for line in out.stdout.splitlines() if not line.startswith("loss ")]) == 2

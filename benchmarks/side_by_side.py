@@ -35,17 +35,21 @@ class Bench:
     targets: dict[str, dict[str, tuple[str, float]]]
     """variant of this code → metric → (">=" or "<=", bound)."""
     variants: tuple[tuple[str, list[str]], ...] = (("", []),)
-    """This code's runs: (label, extra arguments); the baseline runs with none."""
+    """The runs: (label, extra arguments), each run by the baseline and by this code, alternating."""
 
 
 def read_gateway(out: str) -> dict[str, float]:
-    """From ``benchmarks.gateway_overhead``: the gateway's req/s at c=32 and its added p50 at c=1."""
+    """From ``benchmarks.gateway_overhead``: req/s, p99 and (the gateway's, all threads) CPU per call at each
+    concurrency, and the added p50."""
     got: dict[str, float] = {}
     for line in out.splitlines():
-        if m := re.search(r"\b(\d+) gateway\s+([\d.]+)\s+([\d.]+)", line):
+        if m := re.search(r"\b(\d+) gateway\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\d+\s+([\d.]+)", line):
             got[f"gateway req/s c={m[1]}"] = float(m[2])
-        elif m := re.search(r"\b(\d+) direct\s+([\d.]+)", line):
+            got[f"gateway p99 ms c={m[1]}"] = float(m[4])
+            got[f"gateway CPU us/call c={m[1]}"] = float(m[5])  # all the gateway's threads
+        elif m := re.search(r"\b(\d+) direct\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", line):
             got[f"direct req/s c={m[1]}"] = float(m[2])
+            got[f"direct p99 ms c={m[1]}"] = float(m[4])
         elif m := re.search(r"\b(\d+) added\s+p50 ([+-][\d.]+) ms", line):
             got[f"added p50 ms c={m[1]}"] = float(m[2])
         elif "stored spans" in line:
@@ -68,8 +72,8 @@ def read_assembly(out: str) -> dict[str, float]:
 
 
 BENCHES = {
-    # The code before answered a call before its span was stored, as --durability async does; commit (answer
-    # once the span is committed, the default since) has its own targets (the durability benchmark's row).
+    # Each durability mode of the code before beside the same mode of this code; commit (answer once the span
+    # is committed, the default) has its own targets.
     "gateway": Bench("gateway overhead (chat, SQLite recording)", ["benchmarks.gateway_overhead"], read_gateway,
                      {"async": {"added p50 ms c=1": ("<=", 1.0), "gateway req/s c=32": (">=", 2000.0)},
                       "commit": {"added p50 ms c=1": ("<=", 1.5), "gateway req/s c=32": (">=", 2000.0)}},
@@ -166,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             bench = BENCHES[name]
             print(f"\n== {bench.name}: {' '.join(bench.argv)}", flush=True)
-            sides = [(before, base_src, base_path, [])]
-            sides += [(f"{this} {v}".rstrip(), REPO, None, extra) for v, extra in bench.variants]
+            sides = []
+            for v, extra in bench.variants:  # each variant of the baseline beside the same of this code
+                sides += [(f"{before} {v}".rstrip(), base_src, base_path, extra),
+                          (f"{this} {v}".rstrip(), REPO, None, extra)]
             for r in range(args.rounds):
                 for label, tree, path, extra in sides:
                     got = run(bench, tree, path, extra)
@@ -178,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
         for name in names:
             bench = BENCHES[name]
-            base = results[name][before]
             for variant, _ in bench.variants:
                 label = f"{this} {variant}".rstrip()
                 print(f"{bench.name}{f', this code with {variant}' if variant else ''}")
+                base = results[name][f"{before} {variant}".rstrip()]
                 ok &= _report(base, results[name][label], bench.targets.get(variant, {}))
         return 0 if ok else 1
     finally:

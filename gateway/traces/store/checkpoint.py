@@ -15,6 +15,7 @@ Durability is unchanged: a commit is in the WAL before it returns; the checkpoin
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -55,7 +56,13 @@ class Checkpointer:
 
     def _run(self) -> None:
         self._dirty.wait()  # connected once the store has written (the file exists by then)
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        if not os.path.exists(self.path):  # closed before any write, or the file was removed meanwhile
+            return
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error:
+            log.exception("cannot open %s to checkpoint its WAL", self.path)
+            return
         try:
             conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
             while not self._stop:

@@ -1,0 +1,54 @@
+"""Every example's recipe starts and completes a training step: `tracegym train` on the recipe as shipped,
+with tiny-random in place of SmolLM2 and a step of 2 tasks × 2 rollouts (real engine, gateway, store,
+runner and trainer; the example's own agent, tasks and settings otherwise). Whether they learn on SmolLM2
+is measured in docs/agents.md; tests/e2e/test_example_learns.py trains one of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+# the quickstart has tests of its own (test_quickstart.py, test_run_dirs.py)
+RECIPES = sorted(p.parent.name for p in EXAMPLES.glob("*/recipe.yaml") if p.parent.name != "quickstart")
+
+
+def tiny_recipe(name: str, tmp: Path) -> Path:
+    """``examples/NAME/recipe.yaml`` on tiny-random, one step of 2 tasks × 2 rollouts, 2 held-out tasks."""
+    src = EXAMPLES / name
+    recipe = yaml.safe_load((src / "recipe.yaml").read_text())
+    tasks = (src / recipe["data"]["path"]).read_text().splitlines()
+    (tmp / "train.jsonl").write_text("\n".join(tasks[:4]) + "\n")
+    held = (src / recipe["data"]["eval_path"]).read_text().splitlines() if recipe["data"].get("eval_path") else tasks[4:]
+    (tmp / "eval.jsonl").write_text("\n".join(held[:2]) + "\n")
+    module, function = recipe["agent"]["target"].split(":")
+    recipe.update(model="tiny-random", steps=1, batch_size=2, group_size=2, eval_samples=1, eval_interval=0,
+                  run_dir=str(tmp / "run"), data={"path": "train.jsonl", "eval_path": "eval.jsonl"})
+    recipe["agent"].update(target=f"{src / (module + '.py')}:{function}", concurrency=8)
+    recipe["upstream"] = {**recipe.get("upstream", {}), "max_batch_size": 8}
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_example_recipe_completes_a_step(name: str, tmp_path: Path, tiny_model_dir: Path) -> None:
+    recipe = tiny_recipe(name, tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-m", "tracegym.cli", "train", str(recipe)], cwd=tmp_path, capture_output=True, text=True,
+        timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "TRACEGYM_MAX_TOKENS": "8"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [r for r in rows if r["kind"] == "train"]
+    assert step["step"] == 1 and step["rollouts"] == 4 and step["dropped_rollouts"] == 0, step
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1] and all(r["failed"] == 0 for r in evals), evals

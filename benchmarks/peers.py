@@ -131,8 +131,8 @@ def load(url: str, body: dict, concurrency: int, duration: float, tmp: Path) -> 
         lua = tmp / "post.lua"
         lua.write_text(WRK_LUA.format(body=f))
         out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(duration))}s", "-s", str(lua),
-                              "--latency", url], capture_output=True, text=True, check=True).stdout
-        pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+                              "--timeout", "60s", "--latency", url], capture_output=True, text=True, check=True).stdout
+        pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)\s*$", out, re.M))
         errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
         return {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out)[1]),  # type: ignore[index]
                 "p50_ms": 1e3 * _seconds(pct["50"]), "p99_ms": 1e3 * _seconds(pct["99"]),

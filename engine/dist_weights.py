@@ -175,10 +175,16 @@ class DistWeights:
         self.lock = asyncio.Lock()
 
     async def init_group(self, req: GroupRequest, timeout_s: float = 600.0) -> None:
-        if self.group is not None:
+        """Join ``req``'s group. Asked to join the group of the name it is in (a trainer that restarted, or
+        that lost its side of the group, sets it up again), it leaves that one first, as SGLang replaces
+        a group of the same name; a group of another name is refused while it is in one."""
+        if self.group is not None and req.group_name != self.group_name:
             raise ValueError(f"already in weight-update group {self.group_name!r}: destroy it first")
         if req.backend == "nccl" and self.device.type != "cuda":
             raise ValueError(f"backend nccl needs an engine on CUDA (this one runs on {self.device}); use gloo")
+        if self.group is not None:
+            log.info("leaving weight-update group %s to join it again", self.group_name)
+            await self.destroy(req.group_name)
         async with self.lock:
             self.group = await asyncio.to_thread(
                 join_weight_update_group, req.master_address, req.master_port, req.rank_offset,

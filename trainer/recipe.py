@@ -153,6 +153,18 @@ class TrainRecipe(_Section):
             raise ValueError("objective dpo trains one adapter (or the model): drop lora.adapters")
         return self
 
+    @model_validator(mode="after")
+    def _weight_sync(self) -> TrainRecipe:
+        if self.upstream.weight_sync != "distributed":
+            return self
+        if self.lora is not None:
+            raise ValueError("upstream.weight_sync: distributed broadcasts the full model, and a `lora` run"
+                             " pushes only its adapters (from disk): drop one of them")
+        if self.upstream.kind != "sglang":
+            raise ValueError(f"upstream.weight_sync: distributed needs an SGLang-protocol upstream (SGLang or"
+                             f" the embedded engine), and upstream.kind is {self.upstream.kind!r}")
+        return self
+
     def objectives(self) -> set[str]:
         """Every objective the run trains."""
         return {p.objective for p in self.phases} if self.phases else {self.objective}

@@ -160,6 +160,22 @@ class UpstreamConfig(_Section):
         "bfloat16", description="Embedded engine compute dtype (fp32 on a CPU where bf16 is slower), and the dtype of the weight files each swap pushes."
     )
     max_batch_size: int = Field(32, ge=1, description="Embedded engine: requests decoded together.")
+    weight_sync: Literal["disk", "distributed"] = Field(
+        "disk",
+        description="How each step's weights reach the engines: `disk` (a weights directory the engines load:"
+        " the run directory must be a path they see) or `distributed` (rank 0 broadcasts them over a"
+        " weight-update group the engines join: gloo on CPU, NCCL on CUDA; no shared filesystem; full"
+        " fine-tuning only). docs/ray.md.",
+    )
+    weight_sync_address: str | None = Field(
+        None,
+        description="distributed: the address the engines reach rank 0 at for the group's rendezvous (a free"
+        " port there is picked). Unset = rank 0's node address as Ray knows it, or, without Ray, this"
+        " machine's address on the route to the first engine.",
+    )
+    engine_ranks: int = Field(
+        1, ge=1, description="distributed: the ranks each engine joins the group with (SGLang's tensor-parallel size)."
+    )
 
 
 _RAY_ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")

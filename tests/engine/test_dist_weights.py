@@ -1,7 +1,8 @@
 """The engine's distributed weight update (SGLang's routes, gloo on CPU): this test process is rank 0 and
 broadcasts; the engine joins as rank 1. Staged buckets change nothing until ``/end_weight_update``; a
 refused bucket (unknown name, wrong shape) is still received, and the update it belongs to applies
-nothing; a body that cannot be received is refused before any broadcast."""
+nothing; a body that cannot be received is refused before any broadcast. Joining the group of the name it
+is in again (a trainer that restarted) replaces it; a group of another name is refused meanwhile."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ PROMPT = [1, 4093, 28, 2, 1, 1032, 34]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Any]]:
+def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     port = free_port()
     log = tmp_path_factory.mktemp("engine-d") / "engine.log"
     argv = ["tracegym", "engine", "--model", str(tiny_model_dir), "--port", str(port), "--weight-version", "v0"]
@@ -35,10 +36,11 @@ def engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             pg = weight_update_group(addr, mport, 2, "weight_update_group", "gloo", timeout_s=60)
             r = fut.result(timeout=60)
         assert r.status_code == 200 and r.json()["success"], r.text
-        yield c, pg
+        held = [c, pg]  # the client and this side's group (a test may replace the group)
+        yield held
         r = c.post("/destroy_weights_update_group", json={"group_name": "weight_update_group"})
         assert r.json()["success"], r.text
-        torch.distributed.destroy_process_group(pg)
+        torch.distributed.destroy_process_group(held[1])
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +93,9 @@ def test_malformed_bodies_are_refused_before_any_broadcast(engine) -> None:
         r = c.post("/update_weights_from_distributed", json=body)
         assert r.status_code == 400 and r.json()["success"] is False, r.text
     r = c.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
-                                                    "rank_offset": 1, "world_size": 2, "backend": "nccl"})
-    assert r.status_code == 400 and "already" in r.text, r.text
+                                                    "rank_offset": 1, "world_size": 2, "backend": "gloo",
+                                                    "group_name": "other"})
+    assert r.status_code == 400 and "already in weight-update group 'weight_update_group'" in r.text, r.text
     assert c.post("/end_weight_update", json={}).status_code == 400  # no session open
 
 
@@ -128,3 +131,24 @@ def test_a_discarded_session_applies_nothing(engine, perturbed) -> None:
     assert r.status_code == 200 and r.json()["success"] and f"{len(perturbed)} staged" in r.text, r.text
     assert logprobs(c) == before
     assert c.post("/end_weight_update", json={}).status_code == 400  # the session is closed
+
+
+def test_joining_the_same_group_again_replaces_it(engine, perturbed) -> None:
+    """What a trainer that restarted, or lost its side of the group, does: it sets the group up again
+    under the same name; the engine leaves its old one to join. Last in this file: the fixture's group
+    is replaced here."""
+    c, old = engine
+    torch.distributed.destroy_process_group(old)  # this side's old group goes first: its name is taken
+    addr, mport = "127.0.0.1", free_port()
+    body = {"master_address": addr, "master_port": mport, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(c.post, "/init_weights_update_group", json=body)
+        engine[1] = weight_update_group(addr, mport, 2, "weight_update_group", "gloo", timeout_s=60)
+        r = fut.result(timeout=60)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    before, _ = logprobs(c)
+    moved = [t * 0.9 for _, t in perturbed]  # unlike every update before
+    r = push(c, engine[1], [n for n, _ in perturbed], moved, weight_version="v-rejoined")
+    assert r.status_code == 200 and r.json()["success"], r.text
+    after, version = logprobs(c)
+    assert version == "v-rejoined" and after != before

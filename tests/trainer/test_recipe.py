@@ -102,6 +102,26 @@ def test_the_ray_section(tmp_path: Path) -> None:
         load_recipe(_recipe(tmp_path, ray={"runtime_env": ["pip"]}))
 
 
+def test_the_weight_sync_and_what_it_cannot_go_with(tmp_path: Path) -> None:
+    assert load_recipe(_recipe(tmp_path)).upstream.weight_sync == "disk"
+    r = load_recipe(_recipe(tmp_path, upstream={"weight_sync": "distributed", "weight_sync_address": "10.0.0.7",
+                                                "engine_ranks": 2, "urls": ["http://a:30000"]}))
+    assert (r.upstream.weight_sync, r.upstream.weight_sync_address, r.upstream.engine_ranks) == \
+        ("distributed", "10.0.0.7", 2)
+    p = tmp_path / "recipe.yaml"
+    for extra, why in (({"lora": {}}, "a `lora` run pushes only its adapters (from disk): drop one of them"),
+                       ({"upstream": {"weight_sync": "distributed", "kind": "openai"}},
+                        "needs an SGLang-protocol upstream (SGLang or the embedded engine), and upstream.kind is 'openai'")):
+        fields = {"upstream": {"weight_sync": "distributed"}, **extra}
+        with pytest.raises(RecipeError) as err:
+            load_recipe(_recipe(tmp_path, **fields))
+        assert str(err.value).startswith(f"{p}: invalid recipe: ") and why in str(err.value), str(err.value)
+    with pytest.raises(RecipeError, match=r"upstream.weight_sync: Input should be 'disk' or 'distributed'"):
+        load_recipe(_recipe(tmp_path, upstream={"weight_sync": "nccl"}))
+    with pytest.raises(RecipeError, match=r"upstream.engine_ranks: Input should be greater than or equal to 1"):
+        load_recipe(_recipe(tmp_path, upstream={"engine_ranks": 0}))
+
+
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "examples").glob("*/recipe*.yaml")),
                          ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_example_recipe_loads_and_checks(path: Path) -> None:

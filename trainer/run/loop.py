@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -24,6 +23,7 @@ from tracegym.models import ModelNotFoundError, check_model_name
 from tracegym.trainer.recipe import RecipeError, TrainRecipe, load_recipe, validate_recipe
 from tracegym.trainer.run.build_batch import emitted_means, reward_stats, tool_parse_stats
 from tracegym.trainer.run.gateway_client import TERMINAL, ControlClient, Group
+from tracegym.trainer.run.loop_state import LoopState, checkpoint_dir
 from tracegym.trainer.run.objective_steps import ObjectiveSteps
 from tracegym.trainer.run.report import (
     MetricSinks,
@@ -46,6 +46,7 @@ from tracegym.trainer.run.run_dirs import (
 from tracegym.trainer.run.services import Services, start_services
 from tracegym.trainer.run.tasks import split_tasks
 from tracegym.trainer.run.tracking import run_params
+from tracegym.trainer.run.weight_sync import keep_last_weights, make_weight_sync
 from tracegym.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -68,53 +69,6 @@ def check_recipe(recipe: TrainRecipe) -> Any:
         return TrainConfig.from_recipe(recipe, total_steps=recipe.steps)
     except ValueError as e:
         raise RecipeError(f"invalid recipe: {e}") from None
-
-
-@dataclass
-class LoopState:
-    """What a checkpoint must restore besides the model and optimizer (saved as the checkpoint's extra).
-
-    ``run_id`` and ``drawn`` (training tasks drawn so far) name every group the run queues
-    (``group_ids``), so a run resumed after a crash queues the same group ids again and the store hands back
-    the groups it already has, with their completed rollouts, instead of running them twice. ``pending``:
-    the groups async mode had queued but not trained on when the checkpoint was written."""
-
-    step: int = 0
-    data_pos: int = 0
-    order: list[int] = field(default_factory=list)
-    weight_version: int = 0
-    rng_state: Any = None
-    run_id: str = field(default_factory=lambda: f"{random.getrandbits(64):016x}")
-    drawn: int = 0
-    pending: list[dict[str, Any]] = field(default_factory=list)
-    source_pos: int = 0
-    """Offline objectives (``sft``/``dpo`` with ``runs``): the source groups taken so far."""
-
-    FIELDS = ("step", "data_pos", "order", "weight_version", "rng_state", "run_id", "drawn", "pending",
-              "source_pos")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.FIELDS}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> LoopState:
-        st = cls(**{k: d[k] for k in cls.FIELDS if k in d})  # checkpoints before run_id have none of the last 3
-        if st.rng_state is not None:  # JSON turned random's tuple state into lists
-            v, internal, g = st.rng_state
-            st.rng_state = (v, tuple(internal), g)
-        return st
-
-
-def _checkpoint_dir(recipe: TrainRecipe, *, resume: bool) -> Path:
-    """``run_dir/checkpoint`` (moved back from its aside copy if a save was interrupted); with ``resume``
-    it must hold a checkpoint."""
-    from tracegym.modelfiles.folders import recover_dir
-
-    d = recover_dir(recipe.run_dir / "checkpoint")
-    if resume and not (d / "trainer_state.json").is_file():
-        raise RecipeError(f"--resume: no checkpoint in {d} (a run that ended keeps one only with `keep: checkpoint`;"
-                          " one stopped before its end, only after `checkpoint_interval` steps)")
-    return d
 
 
 class Trainer(ObjectiveSteps):
@@ -146,7 +100,7 @@ class Trainer(ObjectiveSteps):
         # the run's groups are ``NAME-<id>-...``: later runs name this one as an sft/dpo source by its name
         self.state = LoopState(order=order, run_id=f"{recipe.name}-{random.getrandbits(64):016x}")
         self._sources: dict[str, list[tuple[str, list[Trajectory]]]] = {}
-        self.ckpt_dir = _checkpoint_dir(recipe, resume=resume)
+        self.ckpt_dir = checkpoint_dir(recipe, resume=resume)
         train_cfg = train_cfg if train_cfg is not None else check_recipe(recipe)
         self._eval_skip_noted = False
         try:
@@ -166,7 +120,6 @@ class Trainer(ObjectiveSteps):
             mlflow=recipe.mlflow,
             params=run_params(recipe),
         )
-        from tracegym.trainer.weights.disk import DiskWeightSync
         from tracegym.trainer.workers.group import WorkerGroup
         from tracegym.trainer.workers.ray_cluster import JoinError, PlacementError
 
@@ -186,18 +139,7 @@ class Trainer(ObjectiveSteps):
             print(f"ray: {recipe.workers} ranks placed {recipe.ray.placement} on nodes {', '.join(self.workers.nodes)}",
                   file=sys.stderr, flush=True)
         self.lora = getattr(train_cfg, "lora", None)
-        # keep=1: once the engine has loaded a version, only the newest is needed (resume writes the
-        # checkpoint's weights again), and it is the run's trained model
-        if self.lora is not None:  # LoRA: only the adapters travel (trainer/weights/adapters.py)
-            from tracegym.trainer.weights.adapters import AdapterSync
-
-            self.swap = AdapterSync(services.gateway_url, recipe.run_dir / "weights" / "adapters", self.lora, keep=1,
-                                    save_dtype=recipe.upstream.engine_dtype, api_key=services.admin_key)
-        else:
-            self.swap = DiskWeightSync(
-                services.gateway_url, recipe.run_dir / "weights", keep=1, save_dtype=recipe.upstream.engine_dtype,
-                api_key=services.admin_key,
-            )
+        self.swap = make_weight_sync(recipe, services.gateway_url, services.admin_key, self.lora)
         if resume:
             from tracegym.trainer.workers.lora import LoraError
 
@@ -363,6 +305,7 @@ class Trainer(ObjectiveSteps):
             if self.r.checkpoint_interval and self.state.step % self.r.checkpoint_interval == 0:
                 self.checkpoint(pending)
         final = self.evaluate()
+        keep_last_weights(self.r, self.swap, self.workers, self.state.weight_version)
         if self.r.keep == "checkpoint":  # else the run directory keeps no checkpoint once the run has ended
             self.checkpoint(pending)
         return self.finish(final, time.monotonic() - t_start)
@@ -450,7 +393,7 @@ def train(
     tasks = split_tasks(recipe)
     check_run_dir(recipe.run_dir, resume=resume, overwrite=overwrite)
     if resume:
-        _checkpoint_dir(recipe.model_copy(update={"run_dir": resume_dir(recipe.run_dir)}), resume=True)
+        checkpoint_dir(recipe.model_copy(update={"run_dir": resume_dir(recipe.run_dir)}), resume=True)
     model_dir = prepare_model(recipe.model)
     if recipe.distill is not None and "distill" in recipe.objectives():  # a teacher of another vocabulary fails here
         from tracegym.trainer.run.teacher import prepare_teacher

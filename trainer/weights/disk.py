@@ -3,16 +3,14 @@ gateway. The gateway's ``SwapCoordinator`` owns every swap sequence (pause, load
 stamp) and continues the calls a pause cut short; the trainer only writes or broadcasts weights and asks
 the gateway. It never calls the engine's weight or pause routes itself.
 
-Disk (everywhere; what every training run uses): gather the full weights, write a directory the engine
+Disk (everywhere; what a training run uses unless ``upstream.weight_sync: distributed``): gather the full weights, write a directory the engine
 can ``from_pretrained`` (``model.safetensors`` + config/tokenizer files copied from the model dir) into a
 fresh ``v<version>`` directory — written under a temporary name and renamed, so a load never reads a
 half-written file — then ``POST /api/weights/update {model_path, weight_version}``. Only the last
 ``keep`` version directories are kept.
 
-What runs here: the disk path against the real embedded engine behind a real gateway; the distributed
-path against the real gateway and a fake SGLang, and over a real gloo group whose receiving end is a
-test stand-in built the way SGLang builds its side (``init_custom_process_group``, read from its
-source). Not run here: NCCL, GPUs, and SGLang's own receiving code.
+What runs here: the disk path against the real embedded engine behind a real gateway (the distributed
+path: ``distributed``'s docstring). Not run here: SGLang's own loading code.
 """
 
 from __future__ import annotations

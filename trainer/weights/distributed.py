@@ -9,18 +9,23 @@ flush, begin) ends the push without any collective left pending. A failure *duri
 can leave this side's broadcast waiting until the group's timeout: the group is then unusable and must
 be set up again.
 
-What runs here: the disk path against the real embedded engine behind a real gateway; the distributed
-path against the real gateway and a fake SGLang, and over a real gloo group whose receiving end is a
-test stand-in built the way SGLang builds its side (``init_custom_process_group``, read from its
-source). Not run here: NCCL, GPUs, and SGLang's own receiving code.
+``tracegym train`` pushes this way with ``upstream.weight_sync: distributed`` (``group_sync``: the group
+set up on the first push, and again when the engines lost it).
+
+What runs here: the distributed path against the real gateway and a fake SGLang, over a real gloo group
+whose receiving end is a test stand-in built the way SGLang builds its side (``init_custom_process_group``,
+read from its source), and over gloo into the real embedded engine (one or two, with one or two trainer
+ranks; inside ``tracegym train``; across containers). Not run here: NCCL, GPUs, and SGLang's own
+receiving code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,19 +91,43 @@ class DistributedWeightSync:
         join: Callable[[], Any],
         rank_offset: int = 1,
     ) -> Any:
-        """Ask the gateway to have the engine join the group (in the background: the engine's side
-        returns only once the trainer has joined too), run ``join()`` (rank 0's rendezvous) meanwhile,
-        and return what ``join`` returned. If the gateway refuses, ``join`` waits out its own timeout."""
+        """Ask the gateway to have the engines join the group while ``join()`` (rank 0's rendezvous) runs,
+        each in a thread of its own (the engines' side answers only once every rank has joined), and
+        return what ``join`` returned. Whichever fails first raises at once: a refusal (the gateway's or an
+        engine's, such as NCCL asked of an engine on the CPU) does not wait out the rendezvous' timeout,
+        which the abandoned thread then does on its own."""
         body = {
             "master_address": master_address, "master_port": master_port, "world_size": world_size,
             "rank_offset": rank_offset, "group_name": self.group_name, "backend": self.backend,
         }
-        with weights_client(self.gateway_url, self.api_key, self.timeout_s) as client, ThreadPoolExecutor(1) as pool:
-            # not repeated once sent: a second init would wait for a rendezvous nobody joins
-            fut = pool.submit(post_checked, client, INIT_ROUTE, body, idempotent=False)
-            joined = join()
-            fut.result(timeout=self.timeout_s)
-        return joined
+
+        def ask() -> None:
+            with weights_client(self.gateway_url, self.api_key, self.timeout_s) as client:
+                # not repeated once sent: a second init would wait for a rendezvous nobody joins
+                post_checked(client, INIT_ROUTE, body, idempotent=False)
+
+        done: queue.Queue[tuple[str, Any, BaseException | None]] = queue.Queue()
+
+        def run(name: str, fn: Callable[[], Any]) -> None:
+            try:
+                done.put((name, fn(), None))
+            except BaseException as e:  # handed to the caller's thread
+                done.put((name, None, e))
+
+        for name, fn in (("engines", ask), ("join", join)):
+            threading.Thread(target=run, args=(name, fn), name=f"weight-update group: {name}", daemon=True).start()
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < 2:
+            try:
+                name, value, error = done.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise WeightSyncError(f"the weight-update group was not set up in {self.timeout_s:.0f} s "
+                                      f"(waiting for: {'the engines' if 'engines' not in got else 'rank 0'})") from None
+            if error is not None:
+                raise error
+            got[name] = value
+        return got["join"]
 
     def push(
         self,

@@ -334,7 +334,7 @@ def test_resume_recovers_a_checkpoint_left_aside(tmp_path: Path) -> None:
     aside = recipe.run_dir / ".checkpoint.old"  # a save interrupted between its two renames
     aside.mkdir(parents=True)
     (aside / "trainer_state.json").write_text("{}")
-    d = loop._checkpoint_dir(recipe, resume=True)
+    d = loop.checkpoint_dir(recipe, resume=True)
     assert d == recipe.run_dir / "checkpoint" and (d / "trainer_state.json").is_file() and not aside.exists()
 
 

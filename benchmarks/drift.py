@@ -1,23 +1,28 @@
-"""Re-tokenization drift per model family: over a seeded multi-turn tool corpus on each family's tiny model
-(``tests/gateway/proxy/prompt/family_corpus.py``: system prompts, tool calls and results, reasoning where
-the family has it), the fraction of calls whose prompt a re-tokenizing proxy would get wrong, against the
-gateway's prefix reuse, and the gateway's prompt-planning time per call.
+"""Re-tokenization drift per model family, and the gateway's per-call cost per family: over a seeded multi-turn
+tool corpus on each family's tiny model (``tests/gateway/proxy/prompt/family_corpus.py``: system prompts,
+tool calls and results, reasoning where the family has it), the fraction of calls whose prompt a
+re-tokenizing proxy would get wrong, against the gateway's prefix reuse; and what the gateway spends per
+call on the family's prompt and reply: planning the prompt and reading the reply.
 
-    python -m benchmarks.drift [--conversations 100] [--families chatml,qwen3,...]
+    python -m benchmarks.drift [--conversations 100] [--rounds 3] [--families chatml,qwen3,...] [--profile 15]
 
 Each conversation is played as a rollout: at every assistant turn the gateway plans the prompt
 (``PrefixCache.plan_request``: render, tokenize, reuse the earlier calls' ids), the model "samples" the
 turn as its family writes it (the family's canonical syntax, tokenized, then its stop token), the reply is
-parsed as the chat route parses it and recorded, and the client sends it back in the OpenAI shape with
-the next tool results or user message. A call is wrong for a re-tokenizing proxy when rendering its
-messages and tokenizing them does not start with the previous call's prompt + sampled ids (what the
-trainer must see to train on what was sampled); wrong for the gateway when its planned prompt does not.
-Only canonical tokenizations are sampled here, so the proxy's figure is a lower bound (a model that
-samples another split of the same text drifts the proxy further, never the gateway).
+read as the chat route reads it (``split_reasoning`` then ``parse_tools``) and recorded, and the client sends
+it back in the OpenAI shape with the next tool results or user message. A call is wrong for a re-tokenizing
+proxy when rendering its messages and tokenizing them does not start with the previous call's prompt +
+sampled ids (what the trainer must see to train on what was sampled); wrong for the gateway when its
+planned prompt does not. Only canonical tokenizations are sampled here, so the proxy's figure is a lower
+bound (a model that samples another split of the same text drifts the proxy further, never the gateway).
 
-Planning time is the median ``plan_request`` wall time per call (render + encode + reuse), reported as a
-ratio to ChatML's. Targets: gateway wrong = 0 in every family; planning time within 1.2x of ChatML's.
-Figures: docs/benchmarks.md."""
+Per-call cost is the CPU time of this thread (``time.thread_time``: on a shared machine, other processes'
+load does not count, as wall time would) of planning the prompt and reading the reply, median per family;
+the families run one after another in each round, each round on new conversations (later rounds meet
+the memos a serving gateway has warm: the same tools, the same system prompt), and the ratio to ChatML's is
+taken per round: its median and spread over the rounds are printed. Target: gateway wrong = 0 in every
+family; per-call cost within 1.2x of ChatML's. ``--profile N``: the N functions with the most own time on
+the per-call path, per family (cProfile; a run of its own). Figures: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -41,8 +46,11 @@ def _stop_id(tok: ChatTokenizer, calls: bool) -> int:
     return tok.tokenizer.token_to_id(name)
 
 
-def play(tok: ChatTokenizer, seed: int, cache: PrefixCache) -> tuple[int, int, int, list[float]]:
-    """``(calls after the first, wrong for a re-tokenizing proxy, wrong for the gateway, plan seconds)``."""
+def play(tok: ChatTokenizer, seed: int, cache: PrefixCache,
+         plans: list[tuple[list[int], str]] | None = None) -> tuple[int, int, int, list[float]]:
+    """``(calls after the first, wrong for a re-tokenizing proxy, wrong for the gateway, per-call CPU seconds
+    of planning the prompt and reading the reply)``; each call's ``(prompt ids, drift)`` appended to
+    ``plans`` when given."""
     f = tok.family
     turns, offered = corpus.conversation(seed, parallel=f.parallel_calls, reasoning=f.reasoning is not None,
                                          tools=True)
@@ -60,9 +68,11 @@ def play(tok: ChatTokenizer, seed: int, cache: PrefixCache) -> tuple[int, int, i
             msgs.append(msg)
             continue
         request: dict[str, Any] = {"messages": list(msgs), "tools": tools}
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         plan = cache.plan_request(rid, request)
-        times.append(time.perf_counter() - t0)
+        spent = time.thread_time() - t0
+        if plans is not None:
+            plans.append((plan.prompt_ids, plan.drift))
         if prev is not None:
             n += 1
             sampled_prefix = prev[0] + prev[1]
@@ -71,8 +81,10 @@ def play(tok: ChatTokenizer, seed: int, cache: PrefixCache) -> tuple[int, int, i
             ours_wrong += plan.prompt_ids[: len(sampled_prefix)] != sampled_prefix
         text = corpus.sampled(f.name, t.text, t.calls, t.reasoning)
         out = [*tok.encode(text), _stop_id(tok, bool(t.calls))]
+        t0 = time.thread_time()
         reasoning, rest = f.split_reasoning(text, False)
         parsed = f.parse_tools(rest, names)
+        times.append(spent + time.thread_time() - t0)
         reply: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if reasoning is not None:
             reply["reasoning_content"] = reasoning
@@ -88,30 +100,60 @@ def play(tok: ChatTokenizer, seed: int, cache: PrefixCache) -> tuple[int, int, i
     return n, proxy_wrong, ours_wrong, times
 
 
+def _profile(tok: ChatTokenizer, seeds: range, top: int) -> None:
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile(time.thread_time)  # this thread's CPU time: other processes' load is left out
+    cache = PrefixCache(tok)
+    prof.enable()
+    for seed in seeds:
+        play(tok, seed, cache)
+    prof.disable()
+    print(f"--- {tok.family.name}: the {top} functions with the most own time (the proxy's re-tokenizing included)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--conversations", type=int, default=100)
+    ap.add_argument("--conversations", type=int, default=100, help="per family and round")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--families", default=",".join(MODELS))
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
     args = ap.parse_args()
     from tracegym.modelfiles.prepare import prepare_model
 
-    rows = []
-    for name in args.families.split(","):
-        tok = ChatTokenizer.from_dir(prepare_model(MODELS[name]))
-        cache = PrefixCache(tok)
-        calls = proxy = ours = 0
-        times: list[float] = []
-        for seed in range(args.conversations):
-            n, p, o, t = play(tok, seed, cache)
-            calls, proxy, ours, times = calls + n, proxy + p, ours + o, times + t
-        rows.append((name, calls, proxy, ours, statistics.median(times) * 1e3))
-    base = next((r[4] for r in rows if r[0] == "chatml"), None)
-    print(f"{'family':<12} {'calls':>6} {'re-tokenizing wrong':>20} {'gateway wrong':>14} {'plan ms p50':>12} "
-          f"{'vs chatml':>9}")
-    for name, calls, proxy, ours, ms in rows:
-        ratio = f"{ms / base:.2f}x" if base else "-"
-        print(f"{name:<12} {calls:>6} {proxy:>6} ({proxy / max(calls, 1):6.1%}) {ours:>14} {ms:>12.3f} {ratio:>9}")
-    if any(r[3] for r in rows):
+    names = args.families.split(",")
+    toks = {name: ChatTokenizer.from_dir(prepare_model(MODELS[name])) for name in names}
+    if args.profile:
+        for name in names:
+            _profile(toks[name], range(args.conversations), args.profile)
+        return
+    caches = {name: PrefixCache(toks[name]) for name in names}
+    totals = {name: [0, 0, 0] for name in names}
+    medians: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        seeds = range(r * args.conversations, (r + 1) * args.conversations)
+        for name in names[r % len(names):] + names[: r % len(names)]:  # each round starts elsewhere
+            times: list[float] = []
+            for seed in seeds:
+                n, p, o, t = play(toks[name], seed, caches[name])
+                totals[name] = [totals[name][0] + n, totals[name][1] + p, totals[name][2] + o]
+                times += t
+            medians[name].append(statistics.median(times))
+    base = medians.get("chatml")
+    print(f"{'family':<12} {'calls':>6} {'re-tokenizing wrong':>20} {'gateway wrong':>14} {'per call ms p50':>16} "
+          f"{'vs chatml (rounds)':>24}")
+    for name in names:
+        calls, proxy, ours = totals[name]
+        ms = statistics.median(medians[name]) * 1e3
+        if base:
+            ratios = sorted(m / b for m, b in zip(medians[name], base, strict=True))
+            ratio = f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+        else:
+            ratio = "-"
+        print(f"{name:<12} {calls:>6} {proxy:>6} ({proxy / max(calls, 1):6.1%}) {ours:>14} {ms:>16.3f} {ratio:>24}")
+    if any(t[2] for t in totals.values()):
         raise SystemExit("the gateway's prompts drifted from the sampled ids")
 
 

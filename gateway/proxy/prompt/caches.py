@@ -2,9 +2,10 @@
 of their pieces (``SegmentEncoder``).
 
 A fast tokenizer first splits its input on added tokens, then normalizes, pre-tokenizes and runs the
-model on each piece between them on its own. So for a special token that always splits (not
-``normalized``, no ``lstrip``/``rstrip``/``single_word``), encoding a rendered prompt equals encoding
-the text pieces between those tokens one by one and joining them with the tokens' ids. Rendered chat
+model on each piece between them on its own. So for an added token that always splits (no
+``lstrip``/``rstrip``/``single_word``; not ``normalized``, or a tokenizer without a normalizer; special or
+not: ``templating.ChatTokenizer.split_tokens``), encoding a rendered prompt equals encoding the text pieces
+between those tokens one by one and joining them with the tokens' ids. Rendered chat
 prompts are mostly such pieces that repeat (the system prompt and tool schemas of every call of a task,
 the same prompt 4-16× per GRPO group), so ``SegmentEncoder`` caches the ids of each piece in a bounded
 LRU keyed by its text.
@@ -30,7 +31,7 @@ from tokenizers import Tokenizer
 _PROBE_TEXTS = ("", " ", "\n", "  \n\t", "a", " hi ", "x\n\n", "é ü 漢字 🙂", "\u200b", "'s", "12 34")
 
 
-def _overlap(a: str, b: str) -> bool:
+def overlap(a: str, b: str) -> bool:
     """Whether an occurrence of ``a`` and one of ``b`` can overlap in some text (a != b)."""
     if a in b or b in a:
         return True
@@ -47,7 +48,7 @@ def _structurally_segmentable(tokenizer: Tokenizer, split_tokens: Iterable[str])
     if not splits:
         return False
     added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
-    return not any(_overlap(s, a) for s in splits for a in added if a != s)
+    return not any(overlap(s, a) for s in splits for a in added if a != s)
 
 
 def segmentable(tokenizer: Tokenizer, split_tokens: dict[str, int]) -> bool:

@@ -181,6 +181,7 @@ class PrefixCache:
         self._split_tokens = list(tokenizer.template_split_tokens)
         self._rollouts: OrderedDict[str, _Rollout] = OrderedDict()
         self._trailer: str | bool | None = None  # None: not probed yet; False: unknown
+        self._probe_first = False  # a reply that re-renders differently was last realigned by the probe
 
     def __len__(self) -> int:
         return len(self._rollouts)
@@ -323,19 +324,30 @@ class PrefixCache:
                     if tail[: len(head)] == head:
                         return reused + tail[len(head) :], "clean"
             return reused + self.tok.encode(text[end:]), "realigned"
-        # The reply re-renders differently: continue after the re-rendered parent conversation.
+        # The reply re-renders differently: continue after the re-rendered parent conversation, or after a
+        # probe standing for the reply. Where both apply they find the same new part (tested on every
+        # family's corpus); whichever worked last is tried first, as a family's template makes one of them
+        # work nearly always (Qwen3 and harmony rewrite the reply once more turns follow: the probe).
+        if self._probe_first:
+            probed = self._realign_by_probe(choice, text, messages, n, tools, tool_choice, kwargs, reused)
+            if probed is not None:
+                return probed
         rendered = self.tok.render(
             messages[: n + 1], tools=tools, tool_choice=tool_choice, add_generation_prompt=False, **kwargs
         )
         trailer = self._assistant_trailer()
         if trailer is None or not text.startswith(rendered) or not rendered.endswith(trailer):
-            probed = self._realign_by_probe(choice, text, messages, n, tools, tool_choice, kwargs, reused)
+            probed = None
+            if not self._probe_first:
+                probed = self._realign_by_probe(choice, text, messages, n, tools, tool_choice, kwargs, reused)
+                self._probe_first = probed is not None
             if probed is None and text.startswith(rendered):
                 # the probe cannot stand for this reply (a template whose later turns depend on it being a
                 # call: DeepSeek V3's first-call flag, harmony's tool-result names), but the parent
                 # conversation re-renders as the head of this one: what follows it is the new part
                 return reused + self.tok.encode(text[len(rendered):]), "realigned"
             return probed
+        self._probe_first = False
         end = len(rendered) - len(trailer)
         if choice.stop_text and trailer.startswith(choice.stop_text):
             end += len(choice.stop_text)  # the sampled stop token covers the template's end-of-turn token

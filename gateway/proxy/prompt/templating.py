@@ -3,7 +3,8 @@
 ``ChatTokenizer`` loads ``tokenizer.json`` with the ``tokenizers`` library and the chat template, bos/eos
 and special tokens from ``tokenizer_config.json`` (or ``chat_template.jinja`` / ``chat_template.json``
 as newer transformers saves them), and renders with a sandboxed jinja2 environment configured as
-transformers configures it, so ``apply`` equals ``AutoTokenizer.apply_chat_template(..., tokenize=True)``.
+transformers configures it (``jinja_env.py``), so ``apply`` equals
+``AutoTokenizer.apply_chat_template(..., tokenize=True)``.
 
 OpenAI-shaped messages are normalised first (``prepare_messages``): ``content: null`` → ``""``, text parts
 joined, ``developer`` → ``system``, keys with a None value dropped (as transformers does). Templates that
@@ -25,13 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, normalizers
 
-from tracegym.gateway.proxy.prompt.caches import BoundedLRU, SegmentEncoder, render_key
+from tracegym.gateway.proxy.prompt.caches import BoundedLRU, SegmentEncoder, overlap, render_key
 from tracegym.gateway.proxy.prompt.families import Family, detect, family
+from tracegym.gateway.proxy.prompt.jinja_env import compile_template
 from tracegym.gateway.proxy.prompt.reasoning import join_reasoning
 from tracegym.gateway.proxy.prompt.tools import format_assistant_content, parse_arguments, tool_system_section
 
@@ -40,70 +39,12 @@ class TemplateRenderError(ValueError):
     """The chat template rejected the messages (``raise_exception`` in the template, or a bad shape)."""
 
 
-# ------------------------------------------------------------------------------------------- jinja setup
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accepts transformers' ``{% generation %}...{% endgeneration %}`` markers and renders their body."""
-
-    tags = {"generation"}  # noqa: RUF012 - jinja's API
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace()`` that refuses underscore attributes, as transformers' sandbox does."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's Namespace signature trick (``self=`` works)
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check(name)
-        super().__setitem__(name, value)
-
-
-def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _TemplateNamespace
-    template = env.from_string(source)
-    template.globals = dict(template.globals)  # a ChainMap over env.globals, copied key by key per render
-    return template
-
-
 # ----------------------------------------------------------------------------------------- normalisation
+
+
+def _mapping(value: Any) -> bool:
+    """``isinstance(value, Mapping)``, a plain dict (what parsed JSON holds) answered without the ABC check."""
+    return type(value) is dict or isinstance(value, Mapping)
 
 
 def content_text(content: Any) -> str:
@@ -167,7 +108,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]] | None:
     if not tools:
         return None
     if not isinstance(tools, list) or not all(
-        isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and t["function"].get("name")
+        _mapping(t) and _mapping(t.get("function")) and t["function"].get("name")
         for t in tools
     ):
         raise ValueError("tools must be a list of {'type': 'function', 'function': {'name', ...}} objects")
@@ -190,7 +131,7 @@ def prepare_messages(
     choice = check_tool_choice(tool_choice)
     out: list[dict[str, Any]] = []
     for m in messages:
-        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+        if not _mapping(m) or not isinstance(m.get("role"), str):
             raise ValueError(f"each message must be an object with a string 'role', got {m!r}")
         msg = {k: v for k, v in m.items() if v is not None}
         msg["role"] = "system" if m["role"] == "developer" else m["role"]
@@ -220,7 +161,7 @@ def prepare_messages(
 
 def _native_call(call: Any) -> dict[str, Any]:
     """A tool call for templates that render ``tool_calls`` themselves: arguments as an object."""
-    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+    if not _mapping(call) or not _mapping(call.get("function")):
         raise ValueError(
             f"tool_calls entries must look like {{'function': {{'name', 'arguments'}}}}: {call!r}"
         )
@@ -262,6 +203,36 @@ def _load_templates(d: Path, config: dict[str, Any]) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------ the tokenizer
 
 
+_DATE_DIRECTIVES = frozenset("YmdbBaAyjeFDx%")
+"""``strftime`` directives that write the date only (no hour, minute, second, time zone)."""
+
+
+def _date_formats(sources: str) -> tuple[str, ...] | None:
+    """The literal formats of the templates' ``strftime_now`` calls when every call has one that writes the
+    date only (``()`` without calls); None when a call writes the time or its format is not a literal."""
+    calls = re.findall(r"\bstrftime_now\b", sources)
+    formats = [f for _, f in re.findall(r"\bstrftime_now\(\s*(['\"])(.*?)\1\s*\)", sources)]
+    if len(formats) != len(calls) or not all(set(re.findall(r"%(.)", f)) <= _DATE_DIRECTIVES for f in formats):
+        return None
+    return tuple(sorted(set(formats)))
+
+
+def _split_tokens(tokenizer: Tokenizer, added: dict[int, Any], sources: str) -> dict[str, int]:
+    """The added tokens the tokenizer always splits a text on before tokenizing its pieces: the special ones
+    that are not ``normalized``, and the others the templates write that no other added token overlaps (a
+    ``normalized`` one only when the tokenizer has no normalizer, so it matches the text as written)."""
+    plain = tokenizer.normalizer is None or (
+        isinstance(tokenizer.normalizer, normalizers.Sequence) and len(tokenizer.normalizer) == 0)
+    fixed = [(i, tok) for i, tok in added.items() if not (tok.lstrip or tok.rstrip or tok.single_word)]
+    out = {tok.content: i for i, tok in fixed if tok.special and not tok.normalized}
+    others = [(i, tok.content) for i, tok in fixed if tok.content not in out and tok.content in sources
+              and (plain or not tok.normalized)]
+    if others:
+        contents = [tok.content for tok in added.values()]
+        out |= {c: i for i, c in others if not any(overlap(c, other) for other in contents if other != c)}
+    return out
+
+
 class ChatTokenizer:
     """Chat template + fast tokenizer; pure and torch-free. Build it once per process with ``from_dir``."""
 
@@ -284,13 +255,10 @@ class ChatTokenizer:
         self._name_or_path = name_or_path
         added = tokenizer.get_added_tokens_decoder()
         self._special_ids = {i for i, tok in added.items() if tok.special}
-        self.split_tokens = {
-            tok.content: i
-            for i, tok in added.items()
-            if tok.special and not (tok.lstrip or tok.rstrip or tok.single_word or tok.normalized)
-        }
-        """Special tokens the tokenizer always splits on: text can be encoded piecewise around them."""
         sources = "".join(templates.values())  # split where the template writes special tokens
+        self.split_tokens = _split_tokens(tokenizer, added, sources)
+        """Added tokens the tokenizer always splits on: text can be encoded piecewise around them (special
+        tokens, and the other added tokens the templates write that no other one overlaps)."""
         self.family = (chat_format if isinstance(chat_format, Family) else family(chat_format) if chat_format
                        else detect(sources, {t.content for t in added.values()}, where=name_or_path or "the tokenizer"))
         """The model family (``families``): how messages are prepared and replies parsed."""
@@ -303,7 +271,10 @@ class ChatTokenizer:
         self.reasoning = "<think>" in sources or "reasoning_content" in sources or self.family.reasoning is not None
         """The templates know reasoning (``<think>``): chat replies get ``reasoning_content`` split off."""
         # Rendered prompts by their JSON inputs; off for templates that read the clock or a random source.
-        deterministic = not re.search(r"\b(strftime_now|lipsum|random)\b", sources)
+        self._date_formats = _date_formats(sources)
+        """The formats the templates pass to ``strftime_now`` when each writes a date only (gpt-oss's
+        ``%Y-%m-%d``): the render cache keys on today's date in them. None when a call writes the time."""
+        deterministic = not re.search(r"\b(lipsum|random)\b", sources) and self._date_formats is not None
         self._renders = BoundedLRU(max_entries=4096, max_chars=32 * 1024 * 1024) if deterministic else None
         eos = [tokenizer.token_to_id(t) for t in (special_tokens.get("eos_token"), "<|im_end|>",
                                                    *self.family.stop_tokens) if t]
@@ -388,6 +359,9 @@ class ChatTokenizer:
         if reserved := {"messages", "tools", "documents"} & kwargs.keys():
             raise ValueError(f"template kwargs cannot override {sorted(reserved)}")
         key = render_key(messages, tools, add_generation_prompt, tool_choice, kwargs) if self._renders else None
+        if key is not None and self._date_formats:
+            now = datetime.now()
+            key += "\x00".join(now.strftime(f) for f in self._date_formats).encode()
         if key is not None:
             text = self._renders.get(key)  # type: ignore[union-attr]
             if text is None:

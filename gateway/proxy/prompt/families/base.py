@@ -77,11 +77,15 @@ class Family:
 def partial_marker(buf: str, markers: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``markers`` (text to hold
     back while streaming: the next delta may complete the marker)."""
-    for n in range(min(max(map(len, markers)) - 1, len(buf)), 0, -1):
-        tail = buf[-n:]
-        if any(len(m) > n and m.startswith(tail) for m in markers):
-            return n
-    return 0
+    best = 0
+    for m in markers:
+        i = buf.find(m[0], max(len(buf) - len(m) + 1, 0))
+        while i >= 0:  # the earliest start that ``m`` continues is the longest partial marker
+            if m.startswith(buf[i:]):
+                best = max(best, len(buf) - i)
+                break
+            i = buf.find(m[0], i + 1)
+    return best
 
 
 def parse_whole(parser: StreamTools, text: str) -> ToolParse:

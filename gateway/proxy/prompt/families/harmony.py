@@ -44,10 +44,16 @@ def recipient(header: str) -> str | None:
     return to.group(1) if to else None
 
 
+_HEADER_ENDS = (MESSAGE, START)
+_BODY_ENDS = (*STOPS, START)
+_TAIL_ENDS = (START,)
+_FINDERS = {ms: re.compile("|".join(map(re.escape, ms))).search for ms in (_HEADER_ENDS, _BODY_ENDS, _TAIL_ENDS)}
+
+
 def _first(buf: str, markers: tuple[str, ...]) -> tuple[int, str]:
-    """The earliest of ``markers`` in ``buf``: ``(index, marker)``, or ``(-1, "")``."""
-    found = [(i, m) for m in markers if (i := buf.find(m)) >= 0]
-    return min(found) if found else (-1, "")
+    """The earliest of ``markers`` (one of the tuples above) in ``buf``: ``(index, marker)``, or ``(-1, "")``."""
+    m = _FINDERS[markers](buf)
+    return (m.start(), m.group()) if m else (-1, "")
 
 
 class _Messages:
@@ -73,9 +79,9 @@ class _Messages:
     def _read(self, final: bool) -> None:
         while True:
             if self._state == "header":
-                i, m = _first(self._buf, (MESSAGE, START))
+                i, m = _first(self._buf, _HEADER_ENDS)
                 if i < 0:
-                    keep = 0 if final else partial_marker(self._buf, (MESSAGE, START))
+                    keep = 0 if final else partial_marker(self._buf, _HEADER_ENDS)
                     self._header += self._buf[: len(self._buf) - keep]
                     self._buf = self._buf[len(self._buf) - keep:]
                     if final:
@@ -90,7 +96,7 @@ class _Messages:
                 self._opened(self._prefix, self._header, True)
                 self._state = "body"
                 continue
-            markers = (*STOPS, START) if self._state == "body" else (START,)
+            markers = _BODY_ENDS if self._state == "body" else _TAIL_ENDS
             i, m = _first(self._buf, markers)
             if i < 0:
                 keep = 0 if final else partial_marker(self._buf, markers)

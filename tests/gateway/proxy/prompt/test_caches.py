@@ -69,10 +69,13 @@ def test_cached_render_equals_fresh_render(tok: ChatTokenizer) -> None:
 
 
 def test_render_cache_off_for_clock_templates(tok: ChatTokenizer) -> None:
+    timed = ChatTokenizer(tok.tokenizer, {"default": "{{ strftime_now('%H:%M') }}{{ messages[0].content }}"},
+                          tok.special_tokens)
+    assert timed._renders is None and tok._renders is not None
+    assert timed.render([{"role": "user", "content": "hi"}]).endswith("hi")
     dated = ChatTokenizer(tok.tokenizer, {"default": "{{ strftime_now('%Y') }}{{ messages[0].content }}"},
                           tok.special_tokens)
-    assert dated._renders is None and tok._renders is not None
-    assert dated.render([{"role": "user", "content": "hi"}]).endswith("hi")
+    assert dated._renders is not None and dated._date_formats == ("%Y",)  # keyed on the date too
     assert render_key([{"a": object()}], None, True, None, {}) is None  # not JSON: rendered uncached
 
 

@@ -137,6 +137,37 @@ def test_rollouts_keep_the_sampled_ids(family: tuple[str, Path]) -> None:
     assert calls > 100 and wrong == 0, name
 
 
+def test_realigning_by_probe_or_by_parent_render_plans_the_same(family: tuple[str, Path]) -> None:
+    """A reply that re-renders differently is realigned by whichever of the two ways worked last (a probe
+    standing for the reply, or the parent conversation re-rendered): over corpus rollouts, a cache that
+    always tries the probe first plans every call exactly as one that always tries the parent render first."""
+    from benchmarks.drift import play
+    from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
+
+    class Fixed(PrefixCache):
+        def __init__(self, tok: ChatTokenizer, probe_first: bool) -> None:
+            super().__init__(tok)
+            self.fixed = probe_first
+
+        @property  # type: ignore[override]
+        def _probe_first(self) -> bool:
+            return self.fixed
+
+        @_probe_first.setter
+        def _probe_first(self, value: bool) -> None:
+            pass
+
+    name, d = family
+    tok = ChatTokenizer.from_dir(d)
+    probe, parent = Fixed(tok, True), Fixed(tok, False)
+    for seed in range(25):
+        a: list[tuple[list[int], str]] = []
+        b: list[tuple[list[int], str]] = []
+        play(tok, seed, probe, a)
+        play(tok, seed, parent, b)
+        assert a == b, (name, seed)
+
+
 def test_an_edited_earlier_turn_is_a_recorded_branch(family: tuple[str, Path]) -> None:
     """The agent sends back a reply other than the one sampled: the call starts a new sequence (``forked``)
     naming the call it branched from, never a silent re-render."""

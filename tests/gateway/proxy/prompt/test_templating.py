@@ -224,3 +224,30 @@ def test_jinja_environment_matches_transformers(tok) -> None:
     sandboxed = ChatTokenizer(tok.tokenizer, {"default": "{{ ''.__class__ }}{{ messages.append(1) }}"}, {})
     with pytest.raises(TemplateRenderError, match=r"unsafe|not safely callable"):
         sandboxed.render(CONVERSATIONS[0])
+
+
+def test_a_template_that_writes_the_date_is_cached_per_day(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's template writes today's date (``strftime_now("%Y-%m-%d")``): its renders are cached with
+    the date in the key, so a new day renders anew; a template that writes the time is never cached."""
+    import datetime as dt
+
+    from tracegym.gateway.proxy.prompt import jinja_env, templating
+    from tracegym.modelfiles.prepare import prepare_model
+
+    tok = ChatTokenizer.from_dir(prepare_model("gptoss-tiny"))
+    msgs = [{"role": "user", "content": "hi"}]
+    first = tok.render(msgs, tools=[WEATHER])
+    assert tok.render(msgs, tools=[WEATHER]) == first and tok._renders.hits == 1
+
+    class Tomorrow(dt.datetime):
+        @classmethod
+        def now(cls, tz: object = None) -> dt.datetime:
+            return dt.datetime(2031, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(templating, "datetime", Tomorrow)
+    monkeypatch.setattr(jinja_env, "datetime", Tomorrow)
+    later = tok.render(msgs, tools=[WEATHER])
+    assert "Current date: 2031-01-02" in later and later != first and tok._renders.hits == 1
+    timed = ChatTokenizer(tok.tokenizer, {"default": '{{ strftime_now("%H:%M") }}{{ messages[0].content }}'},
+                          tok.special_tokens, chat_format="chatml")
+    assert timed._renders is None

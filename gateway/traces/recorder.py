@@ -20,159 +20,29 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from sqlalchemy.exc import DataError, IntegrityError
+from prometheus_client import CollectorRegistry
 
 from tracegym.gateway.traces.acks import Ack, Built, CommitGroup, settle, settle_now
 from tracegym.gateway.traces.call_spans import (
     CALL_ROW_TEXT,
-    attributes_to_row_fields,
-    call_record_attributes,
     call_record_store_row,
     json_safe,
-    span_name,
 )
-from tracegym.gateway.traces.store.span_rows import SpanBatch, encode_row, json_text
+from tracegym.gateway.traces.exporter import CallSpan, SpanMetrics, StoreSpanExporter
+from tracegym.gateway.traces.store.span_rows import SpanBatch, json_text
 from tracegym.types import CallRecord
 
 log = logging.getLogger(__name__)
 
-_STATUS = {StatusCode.UNSET: "unset", StatusCode.OK: "ok", StatusCode.ERROR: "error"}
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_OK = Status(StatusCode.OK)
 SCOPE = "tracegym.gateway"
 _SPAN_ID_MASK = (1 << 64) - 1
-
-
-def readable_span_to_row(span: ReadableSpan, *, source: str = "gateway") -> dict:
-    """A store row from a finished SDK span."""
-    ctx = span.context
-    parent = span.parent
-    events = [
-        {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})} for e in span.events
-    ]
-    return {
-        "trace_id": format(ctx.trace_id, "032x"),
-        "span_id": format(ctx.span_id, "016x"),
-        "parent_span_id": format(parent.span_id, "016x") if parent is not None else None,
-        "source": source,
-        "name": span.name,
-        "kind": span.kind.name.lower(),
-        "start_time_ns": span.start_time,
-        "end_time_ns": span.end_time,
-        "status": _STATUS[span.status.status_code],
-        "status_message": span.status.description,
-        "resource": dict(span.resource.attributes),
-        "events": json_safe(events) or None,
-        **attributes_to_row_fields(dict(span.attributes or {})),
-    }
-
-
-class CallSpan(ReadableSpan):
-    """The finished span of one gateway call, built directly from its ``CallRecord``.
-
-    ``store_row`` is its ``spans`` value tuple (encoded once, here); ``attributes`` (the OpenTelemetry
-    GenAI attributes of ``call_spans.call_record_attributes``) are computed on first access, so the
-    store path never pays for them while other exporters still see proper spans.
-    """
-
-    def __init__(self, rec: CallRecord, *, trace_id: int, span_id: int, start_time: int, end_time: int,
-                 resource: Resource, resource_json: str, scope: InstrumentationScope) -> None:
-        self.record = rec
-        self.store_row = call_record_store_row(
-            rec, trace_id=f"{trace_id:032x}", span_id=f"{span_id:016x}", resource_json=resource_json,
-            start_time_ns=start_time, end_time_ns=end_time,
-        )
-        super().__init__(
-            name=span_name(rec), context=SpanContext(trace_id, span_id, False, _SAMPLED), parent=None,
-            resource=resource, attributes=None, kind=SpanKind.CLIENT,
-            status=Status(StatusCode.ERROR, rec.error) if rec.status == "error" else _OK,
-            start_time=start_time, end_time=end_time, instrumentation_scope=scope,
-        )
-
-    @property
-    def _attributes(self) -> dict[str, Any]:  # type: ignore[override]
-        if self._lazy_attributes is None:
-            self._lazy_attributes = call_record_attributes(self.record)
-        return self._lazy_attributes
-
-    @_attributes.setter
-    def _attributes(self, value: dict[str, Any] | None) -> None:
-        self._lazy_attributes = value
-
-
-class SpanMetrics:
-    """Prometheus counters of the span pipeline, registered in the app's registry."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.recorded = Counter("tracegym_spans_recorded", "Spans handed to the recorder", registry=registry)
-        self.exported = Counter("tracegym_spans_exported", "Spans written to the store", registry=registry)
-        self.dropped = Counter(
-            "tracegym_spans_dropped",
-            "Spans lost (queue_full, encode_error, export_error, internal_error, shutdown)", ["reason"],
-            registry=registry,
-        )
-        self.queue_size = Gauge("tracegym_span_queue_size", "Spans waiting for export", registry=registry)
-
-
-class StoreSpanExporter(SpanExporter):
-    """Writes span batches into the store (one transaction per batch), retrying transient failures.
-    ``CallSpan``s bring their encoded row; any other span is converted from its attributes."""
-
-    def __init__(self, store: object, metrics: SpanMetrics, *, retries: int = 3, source: str = "gateway"):
-        self.store = store
-        self.metrics = metrics
-        self.retries = retries
-        self.source = source
-
-    def add_span(self, batch: SpanBatch, span: ReadableSpan) -> None:
-        """Append ``span``'s row to ``batch`` (an unstorable span is counted as dropped and logged)."""
-        try:
-            if isinstance(span, CallSpan):
-                batch.add(span.store_row, span.record.task_id, span.record.weight_version)
-                return
-            row = readable_span_to_row(span, source=self.source)
-            attrs = row["attributes"]
-            batch.add(encode_row(row), attrs.get("tracegym.task_id"), attrs.get("tracegym.weight_version"))
-        except (TypeError, ValueError):  # unstorable attribute values: count, log, go on
-            log.exception("dropping span %r: it cannot be encoded for the store", span.name)
-            self.metrics.dropped.labels("encode_error").inc()
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        batch = SpanBatch()
-        for s in spans:
-            self.add_span(batch, s)
-        return self.export_batch(batch)
-
-    def export_batch(self, batch: SpanBatch) -> SpanExportResult:
-        """Insert an encoded batch; after ``retries`` failures count it as dropped (never raises). A
-        rejection that would only repeat (bad data, a violated constraint) is not retried."""
-        if not batch:
-            return SpanExportResult.SUCCESS
-        for attempt in range(1, self.retries + 1):
-            try:
-                self.store.insert_spans(batch)  # type: ignore[attr-defined]
-                self.metrics.exported.inc(len(batch))
-                return SpanExportResult.SUCCESS
-            except Exception as e:  # any store failure: retry, then count the loss loudly
-                if attempt == self.retries or isinstance(e, DataError | IntegrityError | ValueError):
-                    log.exception("dropping %d spans: the store rejected them %d times", len(batch), attempt)
-                    self.metrics.dropped.labels("export_error").inc(len(batch))
-                    return SpanExportResult.FAILURE
-                time.sleep(0.1 * 2**attempt)
-        return SpanExportResult.FAILURE
-
-    def shutdown(self) -> None:
-        pass
 
 
 class _Flush:

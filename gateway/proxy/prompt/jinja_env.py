@@ -196,6 +196,9 @@ class MemoMacro(Macro):
 # ------------------------------------------------------------------------------------------ the environment
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+_LOOP_ATTRIBUTES = frozenset({"index", "index0", "revindex", "revindex0", "first", "last", "length", "depth",
+                              "depth0", "previtem", "nextitem"})
+"""Attributes every ``LoopContext`` has (which the sandbox lets a template read: no underscore)."""
 _TEMP = "tracegym_read"
 """The generated code's name for a value whose item it reads (jinja's own names are ``l_*``, ``t_*``)."""
 _METHOD_TYPES = frozenset({types.MethodType, types.BuiltinMethodType})
@@ -233,7 +236,10 @@ class _CodeGenerator(CodeGenerator):
     def _dict_read(self, obj: nodes.Node, key: str, method: str, frame: Frame) -> None:
         self.write(f"({_TEMP}[{key}] if type({_TEMP} := ")  # the condition runs first: obj is read once
         self.visit(obj, frame)
-        self.write(f") is dict and {key} in {_TEMP} else environment.{method}({_TEMP}, {key}))")
+        self.write(f") is dict and {key} in {_TEMP} else ")
+        if method == "getattr" and key[1:-1] in _LOOP_ATTRIBUTES:  # ``loop.index0``: a property, safe by name
+            self.write(f"{_TEMP}.{key[1:-1]} if type({_TEMP}) is LoopContext else ")
+        self.write(f"environment.{method}({_TEMP}, {key}))")
 
 
 class TemplateEnvironment(ImmutableSandboxedEnvironment):
@@ -247,6 +253,7 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
         """The template's memoized macros (``memoize_macros``)."""
         self.memo = BoundedLRU(max_entries=1024, max_chars=8 * 1024 * 1024)
         self._safe: dict[tuple[type, str], bool] = {}
+        self._encode = json.JSONEncoder(ensure_ascii=False).encode
 
     def memo_macro(self, context: Any, resolved: tuple[str, ...], *args: Any) -> MemoMacro:
         """Called by the generated code of a memoizable macro instead of ``Macro(...)``."""
@@ -299,6 +306,8 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
     def tojson(self, x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:
         if indent is None:  # the C encoder: memoizing would cost more than it saves
+            if not ensure_ascii and separators is None and not sort_keys:
+                return self._encode(x)  # what json.dumps does, without making an encoder per call
             return _tojson(x, ensure_ascii, indent, separators, sort_keys)
         try:
             key = ("tojson", memo_key(x), ensure_ascii, memo_key(indent), memo_key(separators), sort_keys)

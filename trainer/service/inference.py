@@ -47,6 +47,8 @@ class Inference:
         self.gateway_url, self.admin_key, self.root = gateway_url.rstrip("/"), admin_key, weights_root
         self.served_model, self.keep, self.proc, self.timeout = served_model, keep, proc, timeout
         self.serving = BASE
+        self.mode: str | None = None
+        """``lora`` or ``full``: what this engine's versions are, fixed by the first publish."""
         self.published: dict[str, Published] = {}
         self._order: list[str] = []
         self._next_version = 1
@@ -68,7 +70,17 @@ class Inference:
         return run.sync
 
     async def publish(self, run: Run) -> str:
-        """Write ``run``'s weights as a new version and swap it in; the version."""
+        """Write ``run``'s weights as a new version and swap it in; the version. The engine's versions are
+        all adapters or all full weights (the first publish decides): a disk swap leaves the gateway's
+        adapter routes in place and an adapter applies to whatever base the engine holds, so mixing the two
+        kinds would sample from weights no run trained."""
+        kind = "full" if run.lora_rank is None else "lora"
+        if self.mode not in (None, kind):
+            raise UserFault(f"this service's engine serves {self.mode} weight versions and cannot also serve "
+                            f"{kind} ones (the adapters would apply to another run's weights): publish from "
+                            f"{'LoRA' if self.mode == 'lora' else 'full fine-tuning'} runs here, or start another "
+                            "service for this run")
+        self.mode = kind
         version = str(self._next_version)
         self._next_version += 1
         sync = self.sync_for(run)

@@ -51,6 +51,14 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture(scope="session")
+def trainer_imports() -> None:
+    """transformers' model classes imported once per session (seconds), before a test that trains here."""
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    from tracegym.trainer.workers.group import WorkerGroup  # noqa: F401
+
+
+@pytest.fixture(scope="session")
 def smollm2_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
     """``tracegym tinker-serve --model smollm2-135m`` (slow tests only), bf16 where this CPU runs it fast."""
     state = tmp_path_factory.mktemp("tinker-smollm2")

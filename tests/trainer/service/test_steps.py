@@ -35,7 +35,7 @@ def _datum(rng: np.random.Generator, n: int, vocab: int = 4000) -> steps.Datum:
     return steps.Datum(ids[:-1], ids[1:], {"weights": np.ones(n, np.float32)})
 
 
-def test_a_failed_forward_backward_leaves_the_earlier_gradients(tiny_model_dir: Path) -> None:
+def test_a_failed_forward_backward_leaves_the_earlier_gradients(tiny_model_dir: Path, trainer_imports: None) -> None:
     group, rng = _group(tiny_model_dir), np.random.default_rng(0)
     with pytest.raises(steps.NoGradientsError, match="run forward_backward"):
         group.run_on_ranks(steps.optim_step, ADAM)
@@ -55,7 +55,8 @@ def test_a_failed_forward_backward_leaves_the_earlier_gradients(tiny_model_dir: 
     group.shutdown()
 
 
-def test_tracegym_grpo_moves_the_weights_exactly_as_the_trainer_step(tiny_model_dir: Path) -> None:
+def test_tracegym_grpo_moves_the_weights_exactly_as_the_trainer_step(tiny_model_dir: Path,
+                                                                     trainer_imports: None) -> None:
     rng = np.random.default_rng(1)
     samples = []
     for n, prompt, adv in ((14, 5, 1.0), (9, 3, -0.5), (20, 8, 0.25)):

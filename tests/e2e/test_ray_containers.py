@@ -6,10 +6,12 @@ offers 4 CPUs here, so that Ray alone would put both ranks on the head: the reci
 placement is what spreads them. Checked: the ranks' nodes are the two containers' addresses, `ray status`
 counts 2 nodes with 2 of their 8 CPUs in use while a step trains,
 every step that has groups with unequal rewards trains and swaps its weights into the engine (a new
-weight version each), and a Ray worker node
+weight version each) over the weight-update group (the recipe's `upstream.weight_sync: distributed`: rank
+0's node is the rendezvous, the gateway records no weights directory for any version and its last swap is
+a distributed one), and a Ray worker node
 killed mid-run (SIGKILL to its process after two steps) fails the run with Ray's error naming the dead
 node, after which the trainer container restarts, the worker node rejoins and the run continues from its
-checkpoint to the end."""
+checkpoint to the end, setting the group up again with the engine (which leaves the dead trainer's)."""
 
 from __future__ import annotations
 
@@ -49,11 +51,27 @@ def _train_steps(s: Stack) -> list[int]:
     return [m["step"] for m in s.metrics(NAME) if m.get("kind") == "train"]
 
 
+def _weight_versions(s: Stack) -> list[dict]:
+    r = httpx.get(f"{s.url}/api/weight_versions", headers=s.headers, timeout=30)
+    return r.json()["weight_versions"]
+
+
 def _weight_version(s: Stack) -> int:
     """The newest weight version the gateway recorded (the trainer's swaps: 1, 2, ...)."""
-    r = httpx.get(f"{s.url}/api/weight_versions", headers=s.headers, timeout=30)
-    versions = [re.sub(r"\D", "", str(v["version"])) for v in r.json()["weight_versions"]]
+    versions = [re.sub(r"\D", "", str(v["version"])) for v in _weight_versions(s)]
     return max((int(v) for v in versions if v), default=0)
+
+
+SETUP = re.compile(r"weight sync: distributed \(gloo\), rank 0 at ([\d.]+):\d+ with 1 engine\(s\) of 1 rank\(s\)")
+
+
+def _check_distributed_swaps(s: Stack, nodes: set[str]) -> None:
+    """Every swap so far went over the weight-update group: rank 0 on a Ray node, no directory."""
+    setups = SETUP.findall(s.logs("trainer", tail=5000))
+    assert setups and set(setups) <= nodes, setups
+    assert all(v["path"] is None for v in _weight_versions(s)), _weight_versions(s)
+    last = httpx.get(f"{s.url}/api/weights", headers=s.headers, timeout=30).json()["last_swap"]
+    assert last["kind"] == "distributed" and last["success"] and last["model_path"] is None, last
 
 
 @pytest.mark.timeout(1800)  # SmolLM2 in six containers on a shared 2-core machine
@@ -75,6 +93,7 @@ def test_trainer_ranks_on_two_ray_nodes_in_containers_survive_a_worker_node_kill
         assert {placed.group(1), placed.group(2)} == nodes and len(nodes) == 2
         s.wait("two steps trained (a checkpoint after the first)", lambda: len(_train_steps(s)) >= 2, 1200, every=5)
         assert _weight_version(s) >= 2
+        _check_distributed_swaps(s, nodes)
 
         # a Ray worker node dies mid-run (SIGKILL to its process, as a crash: its restart policy applies)
         restarts = int(s.inspect("trainer", "{{.RestartCount}}"))
@@ -88,4 +107,8 @@ def test_trainer_ranks_on_two_ray_nodes_in_containers_survive_a_worker_node_kill
         assert sorted(set(_train_steps(s))) == list(range(1, STEPS + 1))
         trained = {m["step"] for m in s.metrics(NAME) if m.get("kind") == "train" and "loss" in m}
         assert _weight_version(s) >= len(trained) >= 2  # a swap per step that trained (one may tie: no update)
+        nodes |= {s.inspect(n, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}") for n in ("trainer", "ray-worker")}
+        _check_distributed_swaps(s, nodes)  # a restarted container may have a new address
+        assert len(SETUP.findall(log)) >= 2  # set up again by the resumed trainer
+        assert "leaving weight-update group weight_update_group to join it again" in s.logs("engine", tail=5000)
         print(f"wall time {time.monotonic() - t0:.0f} s")

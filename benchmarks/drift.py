@@ -18,9 +18,10 @@ bound (a model that samples another split of the same text drifts the proxy furt
 
 Per-call cost is the CPU time of this thread (``time.thread_time``: on a shared machine, other processes'
 load does not count, as wall time would) of planning the prompt and reading the reply, median per family;
-the families run one after another in each round, each round on new conversations (later rounds meet
-the memos a serving gateway has warm: the same tools, the same system prompt), and the ratio to ChatML's is
-taken per round: its median and spread over the rounds are printed. Target: gateway wrong = 0 in every
+each conversation is played in every family in turn (so a change in the machine's load meets them alike),
+each round on new conversations (later rounds meet the memos a serving gateway has warm: the same tools,
+the same system prompt), and the ratio to ChatML's is taken per round: its median and spread over the
+rounds are printed. Target: gateway wrong = 0 in every
 family; per-call cost within 1.2x of ChatML's. ``--profile N``: the N functions with the most own time on
 the per-call path, per family (cProfile; a run of its own). Figures: docs/benchmarks.md."""
 
@@ -133,14 +134,15 @@ def main() -> None:
     totals = {name: [0, 0, 0] for name in names}
     medians: dict[str, list[float]] = {name: [] for name in names}
     for r in range(args.rounds):
-        seeds = range(r * args.conversations, (r + 1) * args.conversations)
-        for name in names[r % len(names):] + names[: r % len(names)]:  # each round starts elsewhere
-            times: list[float] = []
-            for seed in seeds:
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for seed in range(r * args.conversations, (r + 1) * args.conversations):
+            k = seed % len(names)
+            for name in names[k:] + names[:k]:  # conversation by conversation, each starting elsewhere
                 n, p, o, t = play(toks[name], seed, caches[name])
                 totals[name] = [totals[name][0] + n, totals[name][1] + p, totals[name][2] + o]
-                times += t
-            medians[name].append(statistics.median(times))
+                times[name] += t
+        for name in names:
+            medians[name].append(statistics.median(times[name]))
     base = medians.get("chatml")
     print(f"{'family':<12} {'calls':>6} {'re-tokenizing wrong':>20} {'gateway wrong':>14} {'per call ms p50':>16} "
           f"{'vs chatml (rounds)':>24}")

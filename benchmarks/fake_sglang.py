@@ -56,7 +56,9 @@ class Fake:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(f"{args.tokenizer}/tokenizer.json")
-            eos = tok.token_to_id("<|im_end|>")
+            eos = tok.token_to_id(args.eos)
+            if eos is None:
+                raise SystemExit(f"--eos {args.eos!r} is not a token of {args.tokenizer}")
             self.tok = tok
 
             def reply(text: str) -> tuple[list[int], list[str]]:
@@ -291,6 +293,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json")
+    p.add_argument("--eos", default="<|im_end|>", help="the token that ends a reply (with --tokenizer)")
     p.add_argument("--reply", default="Hello! 2 + 3 = 5.")
     p.add_argument("--reply-when", action="append", default=[], metavar="KEY=TEXT",
                    help="answer TEXT when the prompt contains KEY (repeatable; needs --tokenizer)")

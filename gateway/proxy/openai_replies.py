@@ -79,12 +79,14 @@ def assistant_message(svc: Services, parsed: ParsedRequest, ch: GenChoice, text:
         reasoning, msg["content"] = family.split_reasoning(text, opens)
         if reasoning is not None:
             msg["reasoning_content"] = reasoning
-    if not parsed.parse_tools:
+    if not parsed.parse_tools and not family.framed_replies:
         return msg, None
-    tp = family.parse_tools(msg["content"], parsed.tool_names)
+    tp = family.parse_tools(msg["content"], parsed.tool_names if parsed.parse_tools else ())
+    if tp.calls or family.framed_replies:  # (hermes text without calls stays as it was: "" is not None)
+        msg["content"] = tp.content
     if tp.calls:
-        msg["content"], msg["tool_calls"] = tp.content, tp.calls
-    return msg, tp.status
+        msg["tool_calls"] = tp.calls
+    return msg, tp.status if parsed.parse_tools else None
 
 
 def openai_finish_reason(ch: GenChoice, message: dict[str, Any] | None) -> str:

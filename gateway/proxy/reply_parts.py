@@ -92,10 +92,11 @@ def parse_turn(svc: Services, parsed: ParsedRequest, ch: GenChoice, *, opens: bo
         return Turn(reasoning, text, list(ch.message.get("tool_calls") or []))
     family = family_of(svc)
     reasoning, rest = family.split_reasoning(choice_text(svc, ch), opens)
-    if not parsed.parse_tools:
+    if not parsed.parse_tools and not family.framed_replies:
         return Turn(reasoning, rest)
-    tp = family.parse_tools(rest, parsed.tool_names)
-    return Turn(reasoning, tp.content or "", [_renamed(c, tool_id_prefix) for c in tp.calls], tp.status)
+    tp = family.parse_tools(rest, parsed.tool_names if parsed.parse_tools else ())
+    return Turn(reasoning, tp.content or "", [_renamed(c, tool_id_prefix) for c in tp.calls],
+                tp.status if parsed.parse_tools else None)
 
 
 @dataclass(slots=True)
@@ -146,7 +147,10 @@ class TurnStream:
         family = family_of(svc)
         self.reasoning = family.stream_reasoning(opens)
         native = self.choice.decoder is not None
-        self.tools = family.stream_tools(parsed.tool_names) if parsed.parse_tools and native else None
+        reads = parsed.parse_tools or family.framed_replies
+        self.tools = (family.stream_tools(parsed.tool_names if parsed.parse_tools else ())
+                      if reads and native else None)
+        self._records_parse = parsed.parse_tools
         self._turn = Turn(None, "")
         self._sent_text = TextBuilder()  # the turn's text and reasoning, joined when ``turn`` is read
         self._reasoning: TextBuilder | None = None
@@ -196,7 +200,7 @@ class TurnStream:
                 out += self._text(d.text)
         if final and self.tools is not None:
             out += self._tool_events(self.tools.finish())
-            self._turn.tool_parse = self.tools.status
+            self._turn.tool_parse = self.tools.status if self._records_parse else None
         return out
 
     def _text(self, text: str) -> list[TurnEvent]:
@@ -224,7 +228,7 @@ class TurnStream:
     @property
     def tool_parse(self) -> str | None:
         """The tool-call parse so far (also of a stream the client left before it finished)."""
-        return self.tools.status if self.tools is not None else None
+        return self.tools.status if self.tools is not None and self._records_parse else None
 
     def finish_reason(self) -> str | None:
         """The chat finish reason (None while unfinished)."""

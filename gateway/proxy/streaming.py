@@ -118,8 +118,11 @@ class ChoiceStream:
         self.hold = max((len(s) for s in parsed.sampling.stop), default=1) - 1
         native = svc.upstream.token_native and svc.tokenizer is not None
         self.decoder = IncrementalDecoder(svc.tokenizer) if native else None
-        self.tool_parser = (family_of(svc).stream_tools(parsed.tool_names)
-                            if parse_tools and parsed.parse_tools and native else None)
+        family = family_of(svc)
+        reads = parsed.parse_tools or family.framed_replies  # harmony's content is read out of its frames
+        self.tool_parser = (family.stream_tools(parsed.tool_names if parsed.parse_tools else ())
+                            if parse_tools and reads and native else None)
+        self._records_parse = parsed.parse_tools
         self.reasoning = reasoning
         self._parsed_reasoning = TextBuilder()
         self.upstream_tool_calls: dict[int, dict[str, Any]] = {}
@@ -219,7 +222,7 @@ class ChoiceStream:
 
     @property
     def tool_parse(self) -> str | None:
-        return self.tool_parser.status if self.tool_parser is not None else None
+        return self.tool_parser.status if self.tool_parser is not None and self._records_parse else None
 
     def final_choice(self) -> GenChoice:
         message = None

@@ -9,6 +9,7 @@ the family of a model directory once (``families.detect``) and dispatches throug
   ``ok`` | ``none`` | ``failed: <reason>``);
 - ``stream_tools``: the same, fed text deltas;
 - ``stop_tokens``, ``keep_tokens``: how a reply ends, and the special tokens its decoded text keeps;
+- ``framed_replies``: every reply is read by the tool reader, which also gives the content (harmony);
 - ``history_rewrites``: what its template drops or rewrites in earlier turns (so prefix reuse reports
   ``realigned`` there instead of drifting silently), written for people (docs/model-families.md).
 """
@@ -64,6 +65,10 @@ class Family:
     history_rewrites: str = "nothing: earlier turns render as they were sampled"
     keep_tokens: tuple[str, ...] = ()
     """Special tokens kept when a reply is decoded (its syntax is made of them); others are skipped."""
+    framed_replies: bool = False
+    """Every reply is written in the family's syntax (harmony's channels), so its tool reader also gives
+    the content: replies are read by it with or without tools offered (with none, a call is an unknown
+    tool and stays in the content as written; no parse status is recorded then)."""
     prepare: Prepare | None = None
     """None: ``templating.prepare_messages``."""
     split_reasoning: Callable[[str, bool], tuple[str | None, str]] = _split_think

@@ -131,6 +131,7 @@ FAMILY = Family(
     history_rewrites="the analysis of earlier turns is dropped (kept only for a tool-calling turn that no "
                      "final answer follows); one call per assistant message",
     keep_tokens=KEEP_TOKENS,
+    framed_replies=True,
     prepare=prepare,
     split_reasoning=split_reasoning,
     parse_tools=parse_tools,

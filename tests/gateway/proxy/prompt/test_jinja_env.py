@@ -37,7 +37,7 @@ def test_renders_equal_the_plain_sandbox(family: str) -> None:
 
     tok = ChatTokenizer.from_dir(prepare_model(MODELS[family]))
     f = tok.family
-    for seed in range(40):
+    for seed in range(25):
         turns, offered = corpus.conversation(seed, parallel=f.parallel_calls, reasoning=f.reasoning is not None,
                                              tools=True)
         tools = corpus.TOOLS if offered else None

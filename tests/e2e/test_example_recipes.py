@@ -38,6 +38,11 @@ def tiny_recipe(name: str, tmp: Path) -> Path:
     return path
 
 
+def test_every_example_agent_has_a_recipe() -> None:
+    agents = sorted(p.parent.name for p in EXAMPLES.glob("*/agent.py") if p.parent.name != "quickstart")
+    assert agents and RECIPES == agents, "an example agent without a recipe.yaml cannot be trained"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RECIPES)
 def test_example_recipe_completes_a_step(name: str, tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -102,6 +102,7 @@ class _Choice:
     bare: MsgKey | None  # the reply without its reasoning (None: it has none)
     text: str  # the output ids decoded
     stop_text: str | None  # text of the final token when it is a stop token
+    bare_text: str | None  # ``text`` after its reasoning block (None: it has none)
 
     def matches(self, key: MsgKey) -> bool:
         return self.reply == key or self.bare == key
@@ -296,22 +297,19 @@ class PrefixCache:
             return PromptPlan(ids, "forked", 0, forked.call_id), keys, 0
         return PromptPlan(ids, "none", 0, None), keys, 0
 
-    def _extend(
-        self,
-        call: _Call,
-        choice: _Choice,
-        text: str,
-        messages: list[dict[str, Any]],
-        n: int,
-        tools: list | None,
-        tool_choice: Any,
-        kwargs: dict[str, Any],
-    ) -> tuple[list[int], str] | None:
+    def _extend(self, call: _Call, choice: _Choice, text: str, messages: list[dict[str, Any]], n: int,
+                tools: list | None, tool_choice: Any, kwargs: dict[str, Any]) -> tuple[list[int], str] | None:
         """``(ids, drift)`` continuing ``call``'s sampled ids (``messages[n]`` is its reply), or None when the
         re-render cannot align."""
         reused = call.prompt_ids.tolist() + choice.output_ids.tolist()
         length = call.text_len
-        if hash(text[:length]) == call.text_hash and text.startswith(choice.text, length):
+        same_head = hash(text[:length]) == call.text_hash
+        if same_head and choice.bare_text is not None and not text.startswith(choice.text, length) \
+                and text.startswith(choice.bare_text, length):
+            # the template drops the reply's reasoning once later turns follow (Qwen3) and renders the rest
+            # as sampled, its end of turn included: what follows it is the new part (as a probe finds)
+            return reused + self.tok.encode(text[length + len(choice.bare_text):]), "realigned"
+        if same_head and text.startswith(choice.text, length):
             end = length + len(choice.text)  # the sampled text sits where the re-render has it
             if call.clean:
                 if self.full_check:
@@ -398,6 +396,15 @@ class PrefixCache:
             self._trailer = rendered[rendered.index(_PROBE) + len(_PROBE) :] if _PROBE in rendered else False
         return self._trailer if isinstance(self._trailer, str) else None
 
+    def _choice(self, output_ids: list[int], message: dict[str, Any], eos: set[int]) -> _Choice:
+        text = self.tok.decode(output_ids)
+        reasoning, rest = self.tok.family.split_reasoning(text, False)
+        return _Choice(
+            as_token_ids(output_ids), message_key(message), bare_key(message), text,
+            self.tok.decode(output_ids[-1:]) if output_ids and output_ids[-1] in eos else None,
+            rest if reasoning is not None and rest != text else None,
+        )
+
     # ---- state
 
     def _state(self, rollout_id: str) -> _Rollout:
@@ -470,17 +477,8 @@ class PrefixCache:
         split_at = max((i + len(t) for t in self._split_tokens if (i := text.rfind(t)) >= 0), default=0)
         tail_len = len(self.tok.encode(text[split_at:])) if clean else 0
         eos = set(self.tok.eos_token_ids)
-        choices = [
-            _Choice(
-                as_token_ids(ch.output_ids),
-                message_key(ch.message),
-                bare_key(ch.message),
-                self.tok.decode(ch.output_ids),
-                self.tok.decode(ch.output_ids[-1:]) if ch.output_ids and ch.output_ids[-1] in eos else None,
-            )
-            for ch in record.choices
-            if ch.output_ids is not None and ch.message is not None
-        ]
+        choices = [self._choice(ch.output_ids, ch.message, eos) for ch in record.choices
+                   if ch.output_ids is not None and ch.message is not None]
         state.add(
             _Call(
                 record.call_id,

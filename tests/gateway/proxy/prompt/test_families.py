@@ -118,3 +118,22 @@ def test_templates_that_raise_are_render_errors() -> None:
     llama = ChatTokenizer.from_dir(prepare_model("llama3-tiny"))
     with pytest.raises(TemplateRenderError, match="no first user message"):
         llama.render([{"role": "system", "content": "s"}], tools=corpus.TOOLS)
+
+
+def test_a_whole_reply_parser_streams_through_the_buffered_parser() -> None:
+    """``BufferedToolParser`` (for a family with only a whole-reply parser): text streams until the syntax
+    may start, then the reply is held and parsed whole; what streamed equals the whole parse."""
+    from tracegym.gateway.proxy.prompt.families import BufferedToolParser
+    from tracegym.gateway.proxy.prompt.tools import parse_tools
+
+    text = "Let me add.\n" + corpus.sampled("chatml", "", CALLS[:1])
+    for at_start, reply in ((False, text), (True, corpus.sampled("chatml", "", CALLS))):
+        parser, sent = BufferedToolParser(parse_tools, ("<tool_call>",), NAMES, at_start=at_start), []
+        for i in range(0, len(reply), 3):
+            sent += [(ev.kind, ev.text or ev.name) for ev in parser.feed(reply[i:i + 3])]
+        held = len(sent)
+        sent += [(ev.kind, ev.text or ev.name) for ev in parser.finish()]
+        whole = parse_tools(reply, NAMES)
+        assert "".join(t for k, t in sent if k == "content") == (whole.content or "")
+        assert [t for k, t in sent if k == "tool_call"] == [c["function"]["name"] for c in whole.calls]
+        assert parser.status == "ok" and (held > 0) == (not at_start)  # content before the call streamed

@@ -40,7 +40,7 @@ def tiny_recipe(name: str, tmp: Path) -> Path:
 
 def test_every_example_agent_has_a_recipe() -> None:
     agents = sorted(p.parent.name for p in EXAMPLES.glob("*/agent.py") if p.parent.name != "quickstart")
-    assert agents and RECIPES == agents, "an example agent without a recipe.yaml cannot be trained"
+    assert agents and agents == RECIPES, "an example agent without a recipe.yaml cannot be trained"
 
 
 @pytest.mark.slow

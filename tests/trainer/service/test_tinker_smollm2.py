@@ -88,7 +88,7 @@ def test_rl_reward_rises(client: tinker.ServiceClient) -> None:
     rng = random.Random(0)
     tasks = _tasks()
     rewards, seconds = [], []
-    steps, groups, group_size = 24, 8, 4
+    steps, groups, group_size = 16, 8, 4
     for _ in range(steps):
         t0 = time.perf_counter()
         sampler = tc.save_weights_and_get_sampling_client().result()

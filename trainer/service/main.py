@@ -31,6 +31,7 @@ def main(args: argparse.Namespace) -> int:
     from tracegym.trainer.service.app import build_app
     from tracegym.trainer.service.inference import Inference, start_gateway
     from tracegym.trainer.service.state import ServiceConfig, ServiceState
+    from tracegym.trainer.settings import OptimConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     admin_key = args.admin_key or os.environ.get("TRACEGYM_ADMIN_KEY") or None
@@ -44,8 +45,8 @@ def main(args: argparse.Namespace) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(args.model)
     cfg = ServiceConfig(model=args.model, model_dir=model_dir, state_dir=state_dir, admin_key=admin_key,
-                        torch_threads=args.torch_threads, micro_batch_tokens=args.micro_batch_tokens,
-                        dtype=args.dtype)
+                        torch_threads=args.torch_threads,
+                        optim=OptimConfig(dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens))
     if args.dtype == "bfloat16":
         from tracegym.modelfiles.load import decide_cpu_bf16
 

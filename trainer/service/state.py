@@ -16,6 +16,7 @@ from tracegym.trainer.service.futures import FutureStore, UserFault
 from tracegym.trainer.service.inference import BASE, Inference
 from tracegym.trainer.service.runs import Run
 from tracegym.trainer.service.wire import ForwardBackwardCall, Sampled
+from tracegym.trainer.settings import OptimConfig
 
 CHECKPOINTS = "weights"
 """``tinker://RUN/weights/NAME``: a training state (our checkpoint: model, optimizer, step)."""
@@ -31,12 +32,11 @@ class ServiceConfig:
     state_dir: Path
     admin_key: str | None = None
     torch_threads: int | None = None
-    micro_batch_tokens: int = 4096
-    dtype: str = "bfloat16"
-    """The workers' compute dtype, as the recipe's ``optim.dtype``: master weights and AdamW state are fp32;
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The workers' settings as the recipe's ``optim`` section (its ``dtype`` and ``micro_batch_tokens``; the
+    learning rate and Adam's betas come with each ``optim_step``): master weights and AdamW state are fp32,
     ``bfloat16`` autocasts where this machine runs bf16 fast (``modelfiles.load.cpu_compute_dtype``)."""
     gap_timeout: float = 300.0
-    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -104,7 +104,7 @@ class ServiceState:
         return run
 
     def _worker_group(self, rank: int | None, lora: dict[str, Any] | None) -> Any:
-        from tracegym.trainer.settings import LoraConfig, OptimConfig
+        from tracegym.trainer.settings import LoraConfig
         from tracegym.trainer.workers.group import WorkerGroup
         from tracegym.trainer.workers.train_config import TrainConfig
 
@@ -112,9 +112,9 @@ class ServiceState:
         if rank is not None:
             assert lora is not None
             lora_cfg = LoraConfig(rank=rank, target_modules=lora_targets(self.cfg.model_dir, lora))
-        seed = self.cfg.seed if lora is None or lora.get("seed") is None else int(lora["seed"])
-        cfg = TrainConfig(optim=OptimConfig(dtype=self.cfg.dtype, micro_batch_tokens=self.cfg.micro_batch_tokens),
-                          lora=lora_cfg, seed=seed, torch_threads=self.cfg.torch_threads, entropy_tokens=0)
+        seed = {} if lora is None or lora.get("seed") is None else {"seed": int(lora["seed"])}
+        cfg = TrainConfig(optim=self.cfg.optim, lora=lora_cfg, torch_threads=self.cfg.torch_threads,
+                          entropy_tokens=0, **seed)
         return WorkerGroup(self.cfg.model_dir, num_workers=1, train_cfg=cfg, use_ray=False)
 
     def release_run(self, run: Run) -> None:

@@ -2,12 +2,12 @@
 a signal from them?
 
     python -m benchmarks.example_probe examples/openai [--tasks eval.jsonl] [--n 32] [--group 4]
-                                       [--model smollm2-135m] [--concurrency 32] [--max-tokens 64] [--show 8]
+                                       [--model smollm2-135m] [--concurrency 32] [--max-tokens N] [--show 8]
 
 It serves the model (``tracegym serve --engine embedded``, a store of its own in a temporary directory),
 queues ``--n`` tasks of the example's task file (``eval.jsonl`` by default, else ``tasks.jsonl``) with
 ``--group`` rollouts each, runs the example's ``agent.py:agent`` over them (``tracegym.runner.run_agent``,
-``$TRACEGYM_MODEL`` and ``$TRACEGYM_MAX_TOKENS`` set) and prints, as one JSON object: the mean reward,
+``$TRACEGYM_MODEL`` set, and ``$TRACEGYM_MAX_TOKENS`` with ``--max-tokens``) and prints, as one JSON object: the mean reward,
 the share of groups whose rewards differ (the groups a GRPO step trains on), the mean of each number the
 agent emits (``tg.emit``), the LLM calls per rollout, failed rollouts, and the wall time. A task set is
 worth training on when some groups succeed and most do not: the reward can rise, and GRPO has groups to
@@ -66,7 +66,8 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     random.Random(args.seed).shuffle(tasks)
     tasks = tasks[: args.n]
     os.environ["TRACEGYM_MODEL"] = args.model
-    os.environ["TRACEGYM_MAX_TOKENS"] = str(args.max_tokens)
+    if args.max_tokens is not None:
+        os.environ["TRACEGYM_MAX_TOKENS"] = str(args.max_tokens)
     with tempfile.TemporaryDirectory(prefix="tracegym-probe-") as tmp:
         port = free_port()
         gateway = start_process(
@@ -103,7 +104,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=4, help="rollouts per task")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None, help="$TRACEGYM_MAX_TOKENS (default: the agent's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=0, help="print the replies of this many rollouts (stderr)")
     print(json.dumps(probe(p.parse_args())))

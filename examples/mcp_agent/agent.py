@@ -8,11 +8,12 @@ or, against a gateway you started (`tracegym serve --engine embedded --model smo
     tracegym enqueue examples/mcp_agent/eval.jsonl --group-size 4
     tracegym run examples/mcp_agent/agent.py:agent --gateway http://127.0.0.1:8000 --concurrency 16
 
-Each rollout starts the MCP server (``mcp.Client`` over ``StdioServerParameters``), lists its tools as
-OpenAI function tools and runs a bounded loop: a function call goes to the MCP server and its result back
-as a ``tool`` message. SmolLM2-135M never writes a function call (docs/agents.md), so the same tools can
-also be called in text, ``CALL <tool> <arguments>`` (one worked exchange per tool shows how); those
-results come back as ``RESULT <value>`` in a user turn. The tasks ask for a sum of two 3-digit numbers
+Each rollout starts the MCP server (``mcp.Client`` over ``StdioServerParameters``), lists its tools in the
+system prompt and runs a bounded loop. SmolLM2-135M never writes a function call (docs/agents.md), so the
+tools are called in text, ``CALL <tool> <arguments>`` (one worked exchange per tool shows how), and the MCP
+server's answer comes back as ``RESULT <value>`` in a user turn. With ``MCP_AGENT_FUNCTION_TOOLS=1`` (a
+model that writes function calls) the tools are also offered as OpenAI function tools: a function call
+goes to the MCP server and its result back as a ``tool`` message. The tasks ask for a sum of two 3-digit numbers
 or a capital city (from the server's table; the held-out countries are not among the training ones). The
 reward is 1.0 when the last reply ends with the answer. The two tracegym lines are marked; the MCP side
 needs none.
@@ -36,7 +37,8 @@ MODEL = os.environ.get("TRACEGYM_MODEL", "smollm2-135m")  # the name the gateway
 MAX_TOKENS = int(os.environ.get("TRACEGYM_MAX_TOKENS", "32"))
 MAX_TURNS = 3
 SERVER = StdioServerParameters(command=sys.executable, args=[str(Path(__file__).with_name("server.py"))])
-SYSTEM = "Use the tools: reply with one line CALL <tool> <arguments>, get RESULT back, then reply with just the answer."
+SYSTEM = ("You have tools:\n{tools}\nTo use one, reply with one line: CALL <tool> <arguments>. "
+          "You get RESULT <value> back; then reply with just the answer.")
 EXAMPLE = [  # one worked exchange per tool, at the head of every conversation
     {"role": "user", "content": "What is 512 + 187?"},
     {"role": "assistant", "content": "CALL add 512 187"},
@@ -48,6 +50,7 @@ EXAMPLE = [  # one worked exchange per tool, at the head of every conversation
     {"role": "assistant", "content": "Ottawa"},
 ]
 TEXT_CALL = re.compile(r"CALL\s+(\w+)\s+([^\n]+)")
+FUNCTION_TOOLS = os.environ.get("MCP_AGENT_FUNCTION_TOOLS") == "1"
 
 
 def openai_tools(listing: Any) -> list[dict]:
@@ -55,6 +58,12 @@ def openai_tools(listing: Any) -> list[dict]:
     return [{"type": "function",
              "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
             for t in listing.tools]
+
+
+def tool_lines(listing: Any) -> str:
+    """One line per MCP tool for the system prompt: ``add <a> <b>: Add two integers.``"""
+    return "\n".join(f"{t.name} {' '.join(f'<{p}>' for p in t.input_schema.get('properties', {}))}: {t.description or ''}"
+                     for t in listing.tools)
 
 
 def text_arguments(schema: dict, text: str) -> dict:
@@ -87,14 +96,16 @@ def score(text: str | None, answer: str) -> float:
 
 async def agent(task: dict, base_url: str) -> None:
     llm = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)  # tracegym line 1: the rollout's base_url
-    messages: list[dict] = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": task["question"]}]
     text, called, answered = "", False, False
     async with Client(SERVER) as mcp:
         listing = await mcp.list_tools()
         schemas = {t.name: t.input_schema for t in listing.tools}
+        messages: list[dict] = [{"role": "system", "content": SYSTEM.format(tools=tool_lines(listing))}, *EXAMPLE,
+                                {"role": "user", "content": task["question"]}]
         for _ in range(MAX_TURNS):  # bounded: a model that never stops calling tools still ends
-            response = await llm.chat.completions.create(model=MODEL, messages=messages, tools=openai_tools(listing),
-                                                         max_tokens=MAX_TOKENS, temperature=1.0)
+            tools = {"tools": openai_tools(listing)} if FUNCTION_TOOLS else {}
+            response = await llm.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                                         temperature=1.0, **tools)
             reply = response.choices[0].message
             messages.append(reply.model_dump(exclude_none=True))
             text = reply.content or ""

@@ -49,7 +49,8 @@ def test_mcp_agent_through_tracegym_run(gateway: ManagedProcess, scripted: tuple
     with GatewayClient(SDKConfig(gateway.base_url)) as client:
         (enqueued,) = client.enqueue_tasks([task])
         (rid,) = enqueued["rollout_ids"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACEGYM_MODEL": model, "TRACEGYM_MAX_TOKENS": "64"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACEGYM_MODEL": model, "TRACEGYM_MAX_TOKENS": "64",
+               "MCP_AGENT_FUNCTION_TOOLS": "1"}  # the scripted model writes function calls
         argv = [sys.executable, "-m", "tracegym.cli", "run", "examples/mcp_agent/agent.py:agent",
                 "--gateway", gateway.base_url, "--concurrency", "1", "--exit-when-idle"]
         res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)

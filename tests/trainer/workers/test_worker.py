@@ -274,7 +274,7 @@ def test_shutdown_is_best_effort(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray, "kill", kill)
     monkeypatch.setattr(ray, "shutdown", lambda: events.append("ray shutdown"))
     g = workers.WorkerGroup.__new__(workers.WorkerGroup)
-    g.use_ray, g._owns_ray = True, True
+    g.use_ray, g._owns_ray, g._placement = True, True, None
     g._workers = [Actor("a0", dead=True), Actor("a1"), Actor("a2")]
     g.shutdown()
     g.shutdown()  # twice is harmless

@@ -319,7 +319,7 @@ def test_distributed_failure_midway_is_reported_and_generation_continues(gw, fak
     reload = ["/update_weights_from_disk"] if "rolled back" in done["message"] else []
     assert [c["path"] for c in _debug(fake)["controls"][c0:]] == [
         "/pause_generation", "/flush_cache", "/begin_weight_update", "/update_weights_from_distributed",
-        "/update_weights_from_distributed", *reload, "/end_weight_update", "/continue_generation"]
+        "/update_weights_from_distributed", "/end_weight_update", *reload, "/continue_generation"]
     assert chunks[-1] == "[DONE]" and not any("error" in c for c in chunks[:-1])
     assert chunks[-2]["usage"]["completion_tokens"] == MAX and chunks[-2]["tracegym"]["weight_version"] == before
     _check_continuation(fake, first, before, before)

@@ -100,6 +100,19 @@ def named_call(obj: Any, names: Collection[str] | None, arg_keys: tuple[str, str
     return name, obj.get(first, obj.get(second, {}))
 
 
+def arguments_error(text: str) -> str | None:
+    """Why ``text`` is not a JSON object of call arguments, or None when it is."""
+    try:
+        args = json.loads(text)
+    except ValueError as e:  # JSONDecodeError is a ValueError
+        return f"arguments are not JSON ({getattr(e, 'msg', e)})"
+    except RecursionError:
+        return "arguments are not JSON (nested too deeply)"
+    if not isinstance(args, dict):
+        return f"arguments are not an object ({type(args).__name__})"
+    return None
+
+
 def _as_call(inner: str, names: Collection[str] | None) -> tuple[str, str] | str:
     """``(name, arguments JSON string)`` when ``inner`` is a well-formed call, else why it is not."""
     try:

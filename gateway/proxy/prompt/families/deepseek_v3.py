@@ -21,7 +21,13 @@ from collections.abc import Collection
 from typing import Any
 
 from tracegym.gateway.proxy.prompt.families.base import Family, parse_whole, partial_marker
-from tracegym.gateway.proxy.prompt.tools import ToolParse, ToolStreamDelta, new_call_id, parse_status
+from tracegym.gateway.proxy.prompt.tools import (
+    ToolParse,
+    ToolStreamDelta,
+    arguments_error,
+    new_call_id,
+    parse_status,
+)
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN = "<｜tool▁call▁begin｜>"
@@ -166,14 +172,8 @@ def _block_call(block: str, names: Collection[str] | None) -> tuple[str, str] | 
         return "empty tool name"
     if names is not None and name not in names:
         return f"unknown tool {name[:80]!r}"
-    try:
-        args = json.loads(m["args"])
-    except ValueError as e:
-        return f"arguments are not JSON ({getattr(e, 'msg', e)})"
-    except RecursionError:
-        return "arguments are not JSON (nested too deeply)"
-    if not isinstance(args, dict):
-        return f"arguments are not an object ({type(args).__name__})"
+    if (why := arguments_error(m["args"])) is not None:
+        return why
     return name, m["args"]
 
 

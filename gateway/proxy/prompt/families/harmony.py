@@ -20,14 +20,13 @@ as plain text (``<think>`` reasoning, no calls).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection
 
 from tracegym.gateway.proxy.prompt.families.base import partial_marker
 from tracegym.gateway.proxy.prompt.reasoning import ReasoningDelta
 from tracegym.gateway.proxy.prompt.reasoning import split_reasoning as split_think
-from tracegym.gateway.proxy.prompt.tools import ToolStreamDelta, new_call_id, parse_status
+from tracegym.gateway.proxy.prompt.tools import ToolStreamDelta, arguments_error, new_call_id, parse_status
 
 START, CHANNEL, MESSAGE, END, CALL, RETURN = "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"
 STOPS = (END, CALL, RETURN)
@@ -286,12 +285,6 @@ class HarmonyTools(_Messages):
         name = to[len("functions."):]
         if self._names is not None and name not in self._names:
             return f"unknown tool {name[:80]!r}"
-        try:
-            args = json.loads(body)
-        except ValueError as e:
-            return f"arguments are not JSON ({getattr(e, 'msg', e)})"
-        except RecursionError:
-            return "arguments are not JSON (nested too deeply)"
-        if not isinstance(args, dict):
-            return f"arguments are not an object ({type(args).__name__})"
+        if (why := arguments_error(body)) is not None:
+            return why
         return name, body.strip()

@@ -45,6 +45,7 @@ def _write_recipe(tmp: Path, steps: int, **extra: object) -> Path:
         "optim": {"lr": 1e-3, "dtype": "float32"},
         "upstream": {"engine_dtype": "float32", "max_batch_size": 4},
         "run_dir": str(tmp / "run"),
+        "keep": "checkpoint",  # _check_trained reads each rank's checkpoint after the run
         **extra,
     }
     p = tmp / "recipe.yaml"
@@ -152,7 +153,7 @@ def test_two_ray_workers_train_swap_and_leave_nothing_behind(
 ) -> None:
     mark = uuid.uuid4().hex
     t0 = time.monotonic()
-    res = _train(_write_recipe(tmp_path, steps=2, keep="checkpoint"), mark, ray_tmp)
+    res = _train(_write_recipe(tmp_path, steps=2), mark, ray_tmp)
     print(f"tracegym train, 2 Ray workers, 2 steps: {time.monotonic() - t0:.1f} s")
     _check_trained(tmp_path / "run", res, steps=2)
     workers = _session_worker_pids(ray_tmp)

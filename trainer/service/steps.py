@@ -41,6 +41,14 @@ OBJECTIVE_CONFIG = ("loss", "agg", "clip_low", "clip_high", "cispo_clip_low", "c
 """``loss_fn_config`` keys a ``tracegym/`` loss takes: fields of the recipe's ``algorithm`` section."""
 
 
+NOT_OFFERED = {
+    "stable_reinforce": "it needs samples recorded with record_stability_info, which tracegym's sampler does "
+                        "not record",
+    "custom": "server-side custom losses are not offered; forward_backward_custom runs the loss on the client",
+}
+"""Loss names of the Tinker API the service refuses, and why."""
+
+
 def loss_names() -> list[str]:
     """Every loss a ``forward_backward`` may name."""
     return sorted(DATUM_LOSSES) + [OBJECTIVE_PREFIX + o for o in OBJECTIVE_LOSSES]
@@ -57,8 +65,13 @@ def check_loss(name: str, config: dict[str, float | str]) -> tuple[str, ...]:
         try:
             loss = DATUM_LOSSES[name]
         except KeyError:
-            raise UnknownNameError(f"unknown loss_fn {name!r}; valid: {', '.join(loss_names())}") from None
+            why = f" ({NOT_OFFERED[name]})" if name in NOT_OFFERED else ""
+            raise UnknownNameError(f"unknown loss_fn {name!r}{why}; valid: {', '.join(loss_names())}") from None
         known, required = loss.config, loss.required
+        missing = [k for k in loss.config_required if not isinstance(config.get(k), int | float)]
+        if missing:
+            raise ValueError(f"loss_fn {name!r} needs loss_fn_config {', '.join(map(repr, missing))} (a number; "
+                             "tracegym gives it no default)")
     extra = sorted(set(config) - set(known))
     if extra:
         raise ValueError(f"loss_fn {name!r} takes no config key {extra[0]!r}; it takes: {', '.join(known) or 'none'}")

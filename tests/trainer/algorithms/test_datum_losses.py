@@ -58,3 +58,31 @@ def test_cispo_keeps_a_bounded_gradient_on_clipped_tokens() -> None:
 def test_thresholds_that_do_not_bracket_one_are_refused() -> None:
     with pytest.raises(ValueError, match="clip_low_threshold"):
         DATUM_LOSSES["ppo"].fn(_lp(0.0), {"logprobs": _t(0.0), "advantages": _t(1.0)}, {"clip_low_threshold": 1.5})
+
+
+def test_dro_is_the_advantage_term_less_a_quadratic_penalty_on_the_log_ratio() -> None:
+    # per token: -(A log p - beta/2 (log p - log q)^2); gradient: -(A - beta (log p - log q))
+    lp, q, adv = _lp(-1.0, -2.0), _t(-1.5, -2.0), _t(2.0, -1.0)
+    loss = DATUM_LOSSES["dro"].fn(lp, {"logprobs": q, "advantages": adv}, {"beta": 0.4})
+    assert loss[0].tolist() == pytest.approx([-(2.0 * -1.0 - 0.2 * 0.25), -(-1.0 * -2.0 - 0.0)])
+    loss.sum().backward()
+    assert lp.grad[0].tolist() == pytest.approx([-(2.0 - 0.4 * 0.5), -(-1.0 - 0.0)])
+
+
+def test_gspo_gives_every_token_the_sequence_ratio_and_clips_it_whole() -> None:
+    # row 0: masked log-ratios 0.1 and 0.3 (the third token is outside the mask) -> s = exp(0.2),
+    # inside [0.9, 1.3]: every token's gradient is -s * A. Row 1: s = exp(0.5) = 1.65 > 1.3 with A > 0:
+    # clipped, no gradient, value -1.3 * A.
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    q = _t(-1.1, -2.3, -9.0).repeat(2, 1)
+    q[1] = torch.tensor([-1.5, -1.5, 0.0], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -2.0, 0.5], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    config = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3}
+    loss = DATUM_LOSSES["gspo"].fn(lp, {"logprobs": q, "advantages": adv, "sequence_ratio_mask": mask}, config)
+    s = math.exp(0.2)
+    assert loss[0].tolist() == pytest.approx([-s * 1.0, s * 2.0, -s * 0.5])
+    assert loss[1].tolist() == pytest.approx([-1.3, -1.3, 0.0])
+    loss.sum().backward()
+    assert lp.grad[0].tolist() == pytest.approx([-s * 1.0, s * 2.0, -s * 0.5])
+    assert lp.grad[1].tolist() == pytest.approx([0.0, 0.0, 0.0])

@@ -52,10 +52,12 @@ def test_bad_service_input_is_refused_with_what_is_valid(service: Service) -> No
 def test_bad_training_input_is_refused_with_what_is_valid(service: Service) -> None:
     with service.client() as c:
         run = create_run(c)
-        r = c.post("/api/v1/forward_backward", json=fb_body(run, [_sft_datum()], loss="dro"))
+        r = c.post("/api/v1/forward_backward", json=fb_body(run, [_sft_datum()], loss="stable_reinforce"))
         assert r.status_code == 400
-        assert "unknown loss_fn 'dro'; valid: cispo, cross_entropy, importance_sampling, ppo, tracegym/grpo, " \
-               "tracegym/sft" in r.json()["detail"]
+        assert "unknown loss_fn 'stable_reinforce' (it needs samples recorded with record_stability_info" \
+               in r.json()["detail"]
+        assert "valid: cispo, cross_entropy, dro, gspo, importance_sampling, ppo, tracegym/grpo, tracegym/sft" \
+               in r.json()["detail"]
         long = list(range(3, 8196))  # 8192 input tokens: one more than fits with its target
         r = c.post("/api/v1/forward_backward", json=fb_body(run, [datum(long[:-1], long[1:])]))
         assert r.status_code == 400 and "takes at most 8191 input tokens" in r.json()["detail"]

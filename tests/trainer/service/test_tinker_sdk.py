@@ -104,8 +104,8 @@ def test_sdk_callers_get_the_service_message(client: tinker.ServiceClient) -> No
     with pytest.raises(tinker.BadRequestError, match="unknown base model 'Qwen/Qwen3-8B'; this service trains"):
         client.create_lora_training_client(base_model="Qwen/Qwen3-8B").result()
     tc = client.create_lora_training_client(base_model=MODEL, rank=4).result()
-    with pytest.raises(tinker.BadRequestError, match="unknown loss_fn 'dro'; valid: cispo, cross_entropy"):
-        tc.forward_backward([_sft_datum(tc.get_tokenizer(), SENTENCES[0])], "dro").result()
+    with pytest.raises(tinker.BadRequestError, match="unknown loss_fn 'custom' \\(server-side custom losses"):
+        tc.forward_backward([_sft_datum(tc.get_tokenizer(), SENTENCES[0])], "custom").result()
     with pytest.raises(tinker.RequestFailedError, match="optim_step without gradients"):
         tc.optim_step(types.AdamParams(learning_rate=1e-3)).result()
     with pytest.raises(tinker.NotFoundError, match="weight version '77' was never published"):

@@ -10,17 +10,17 @@ operation tracegym does not offer, 409 a second client stepping a run (``runs`` 
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tracegym.trainer.algorithms.registry import UnknownNameError
+from tracegym.trainer.service.access import Access, HttpError, fail, get_run, read_json
 from tracegym.trainer.service.futures import UserFault
+from tracegym.trainer.service.rest import add_rest_routes
 from tracegym.trainer.service.runs import Run, SeqConflict
 from tracegym.trainer.service.state import SAMPLER_WEIGHTS, ServiceState, tinker_path
 from tracegym.trainer.service.wire import (
@@ -50,65 +50,6 @@ UNSUPPORTED = {
 }
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-def _fail(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"detail": message, "error": {"message": message}}, status_code=status)
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(await request.body())
-    except orjson.JSONDecodeError as e:
-        raise HttpError(400, f"the body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "the body must be a JSON object")
-    return body
-
-
-def _key(request: Request) -> str | None:
-    if key := request.headers.get("x-api-key"):
-        return key
-    auth = request.headers.get("authorization", "")
-    return auth[7:] if auth[:7].lower() == "bearer " else None
-
-
-def _is(given: str, key: str) -> bool:
-    return hmac.compare_digest(given, key) or hmac.compare_digest(given, "tml-" + key)
-
-
-class Access:
-    """Who the request's key is: the admin, the holder of one run's key, or nobody."""
-
-    def __init__(self, state: ServiceState, request: Request) -> None:
-        self.state, admin = state, state.cfg.admin_key
-        given = _key(request)
-        self.admin = admin is None or (given is not None and _is(given, admin))
-        self.run_keys = {r.model_id for r in state.runs.values() if given is not None and _is(given, r.key)}
-        if not self.admin and not self.run_keys:
-            raise HttpError(401, "missing or wrong API key: send the service's admin key (or a run's key) as "
-                                 "X-API-Key or Authorization: Bearer (the tinker SDK: api_key='tml-' + key)")
-
-    def need_admin(self) -> None:
-        if not self.admin:
-            raise HttpError(403, "this route needs the admin key; a run's key works for that run only")
-
-    def need_run(self, run: Run | None) -> None:
-        if not self.admin and (run is None or run.model_id not in self.run_keys):
-            raise HttpError(403, "this key belongs to another run")
-
-
-def _run(state: ServiceState, model_id: Any) -> Run:
-    try:
-        return state.run(str(model_id))
-    except LookupError as e:
-        raise HttpError(404, str(e)) from None
-
-
 def build_app(make_state: Callable[[], Any]) -> FastAPI:
     """The app; ``make_state`` is an async context manager factory yielding the ``ServiceState``."""
 
@@ -122,10 +63,20 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.exception_handler(HttpError)
     async def _http_error(request: Request, e: HttpError) -> JSONResponse:
-        return _fail(e.status, str(e))
+        return fail(e.status, str(e))
 
     def svc(request: Request) -> ServiceState:
         return request.app.state.svc
+
+    add_rest_routes(app, svc)
+
+    async def run_call(request: Request) -> tuple[ServiceState, dict[str, Any], Run]:
+        """A call on one training run: the service, the JSON body and the run its ``model_id`` names (404
+        when there is none), which the caller's key must be allowed to use (403)."""
+        state, body = svc(request), await read_json(request)
+        run = get_run(state, body.get("model_id"))
+        Access(state, request).need_run(run)
+        return state, body, run
 
     def submit_ordered(state: ServiceState, run: Run, seq_id: Any, kind: str, work: Callable[[], Any],
                        check: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -211,7 +162,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await _json(request)
+        state, body = svc(request), await read_json(request)
         Access(state, request).need_admin()
         try:
             state.check_base_model(str(body.get("base_model")))
@@ -234,9 +185,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await _json(request)
-        run = _run(state, body.get("model_id"))
-        Access(state, request).need_run(run)
+        state, _, run = await run_call(request)
         return {"type": "get_info", "model_id": run.model_id, "is_lora": run.lora_rank is not None,
                 "lora_rank": run.lora_rank, "model_name": run.base_model,
                 "model_data": {"arch": state.arch, "model_name": run.base_model,
@@ -246,7 +195,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
     async def run_key(model_id: str, request: Request) -> dict[str, str]:
         state = svc(request)
         Access(state, request).need_admin()
-        return {"model_id": model_id, "key": _run(state, model_id).key}
+        return {"model_id": model_id, "key": get_run(state, model_id).key}
 
     @app.post("/api/v1/forward_backward")
     @app.post("/api/v1/forward")
@@ -256,10 +205,10 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
             if PROTO in request.headers.get("content-type", ""):
                 call = forward_backward_from_proto(await request.body(), request.headers.get("content-encoding"))
             else:
-                call = forward_backward_from_json(await _json(request), request.url.path.endswith("/forward"))
+                call = forward_backward_from_json(await read_json(request), request.url.path.endswith("/forward"))
         except BadInput as e:
             raise HttpError(400, str(e)) from None
-        run = _run(state, call.model_id)
+        run = get_run(state, call.model_id)
         Access(state, request).need_run(run)
 
         async def work() -> bytes | dict[str, Any]:
@@ -269,9 +218,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await _json(request)
-        run = _run(state, body.get("model_id"))
-        Access(state, request).need_run(run)
+        state, body, run = await run_call(request)
         given = body.get("adam_params") or body.get("optim_params") or {}
         if body.get("optimizer_params") is not None or not isinstance(given, dict):
             raise HttpError(400, "optim_step takes adam_params (tracegym trains with adamw)")
@@ -288,9 +235,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await _json(request)
-        run = _run(state, body.get("model_id"))
-        Access(state, request).need_run(run)
+        state, body, run = await run_call(request)
 
         async def work() -> dict[str, Any]:
             return {"path": await state.save_state(run, body.get("path")), "type": "save_weights"}
@@ -298,7 +243,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await _json(request)
+        state, body = svc(request), await read_json(request)
         access = Access(state, request)
         path, optimizer = str(body.get("path")), bool(body.get("optimizer"))
         if body.get("session_id") is not None:  # a new training run, from a saved state
@@ -319,7 +264,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
                 await state.load_state(run, path, optimizer)
                 return {"path": path, "model_id": model_id, "type": "load_weights"}
             return {"request_id": state.futures.submit(create(), "load_weights"), "model_id": model_id}
-        run = _run(state, body.get("model_id"))
+        run = get_run(state, body.get("model_id"))
         access.need_run(run)
 
         async def work() -> dict[str, Any]:
@@ -329,9 +274,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await _json(request)
-        run = _run(state, body.get("model_id"))
-        Access(state, request).need_run(run)
+        state, body, run = await run_call(request)
         if body.get("kind", "snapshot") != "snapshot":
             raise HttpError(400, "only kind='snapshot' sampling clients are offered (not 'inflight')")
 
@@ -348,7 +291,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await _json(request)
+        state, body = svc(request), await read_json(request)
         access = Access(state, request)
         try:
             if body.get("model_path"):
@@ -377,7 +320,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await _json(request)
+        state, body = svc(request), await read_json(request)
         if body.get("sampling_session_id") is not None:
             sampler = _sampler(state, body["sampling_session_id"])
         elif body.get("model_path"):
@@ -401,7 +344,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        state, body = svc(request), await _json(request)
+        state, body = svc(request), await read_json(request)
         Access(state, request)
         rid = str(body.get("request_id"))
         if state.futures.get(rid) is None:
@@ -435,7 +378,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
         name = rest.split("/")[0]
         message = (f"tracegym does not offer {what} (/api/v1/{rest})" if what
                    else f"tracegym does not offer /api/v1/{rest} ({name}); docs/tinker.md lists what it offers")
-        return _fail(404, message)
+        return fail(404, message)
 
     return app
 

@@ -101,6 +101,17 @@ class Inference:
             self._order.remove(old)
             shutil.rmtree(self.published.pop(old).path, ignore_errors=True)
 
+    def delete(self, version: str) -> None:
+        """Remove a published version and its files (``LookupError`` if it has none; ``UserFault`` for the
+        version the engine serves now, whose files a swap back would need)."""
+        if version not in self.published:
+            raise LookupError(f"no weight version {version!r} is kept (kept: {', '.join(self._order) or 'none'})")
+        if version == self.serving:
+            raise UserFault(f"weight version {version} is the one the engine serves now: publish another version "
+                            "before deleting it")
+        self._order.remove(version)
+        shutil.rmtree(self.published.pop(version).path, ignore_errors=True)
+
     def check_version(self, version: str) -> None:
         """``UserFault`` unless ``version`` can be sampled."""
         if version == BASE:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class Run:
     """Its weight sync (``DiskWeightSync`` or ``AdapterSync``), made at the first publish."""
     published: list[str] = field(default_factory=list)
     """Weight versions published from this run, oldest first."""
+    last_request: float = field(default_factory=time.time)
+    """When the run was created or last given a request (``claim``), as ``time.time()``."""
 
     @property
     def safe_id(self) -> str:
@@ -59,6 +62,7 @@ class Run:
                 f"run (requests of one run are numbered 1, 2, 3, ... and run in that order; next expected: "
                 f"{max([self.next_seq - 1, *self.taken]) + 1}); use one training client per run")
         self.taken.add(seq_id)
+        self.last_request = time.time()
         return seq_id
 
     @asynccontextmanager

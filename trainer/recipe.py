@@ -173,6 +173,11 @@ class TrainRecipe(_Section):
         """The objective of training step ``step`` (0-based)."""
         return self.phases[self.phase_index(step)].objective if self.phases else self.objective
 
+    def phase_ends(self) -> list[int]:
+        """The steps after which a phase other than the last ends (the held-out split is evaluated there)."""
+        ends = [sum(p.steps for p in (self.phases or [])[: i + 1]) for i in range(len(self.phases or []))]
+        return ends[:-1]
+
     def phase_index(self, step: int) -> int:
         """The index in ``phases`` of the phase that holds training step ``step`` (0-based; 0 without
         phases, the last phase past the end)."""
@@ -199,7 +204,8 @@ class TrainRecipe(_Section):
         return v
 
     def resolve_paths(self, base: Path) -> TrainRecipe:
-        """Make the recipe's relative paths (data, a local model directory, run_dir, a SQLite store)
+        """Make the recipe's relative paths (data, a local model directory, run_dir, a SQLite store, the
+        offline objectives' dataset files)
         absolute against ``base``, the recipe's directory; an unset run_dir is ``runs/{name}/{timestamp}``
         under the current directory. ``{name}`` is substituted; ``{run_dir}`` in ``store`` too, unless
         run_dir ends in ``{timestamp}`` (then ``run_dirs.open_run_dir`` picks the directory)."""
@@ -215,8 +221,11 @@ class TrainRecipe(_Section):
         store = _sqlite_absolute(self.store, base)
         if run_dir.name != TIMESTAMP:
             store = store.replace("{run_dir}", str(run_dir))
+        sources = {k: getattr(self, k).model_copy(update={"files": [_absolute(f, base) for f in getattr(self, k).files]})
+                   for k in ("sft", "dpo")}
         return self.model_copy(
-            update={"run_dir": run_dir, "data": data, "store": store, "model": _model_path(self.model, base)}
+            update={"run_dir": run_dir, "data": data, "store": store, "model": _model_path(self.model, base),
+                    **sources}
         )
 
 

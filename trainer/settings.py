@@ -352,6 +352,32 @@ class SourceConfig(_Section):
         " They must be in this run's `store` (set `store` to the store that holds them). Empty = online:"
         " each step samples `batch_size` groups as GRPO does and trains on them.",
     )
+    files: list[Path] = Field(
+        [],
+        description="Dataset files (relative to the recipe) imported into the run's store when the run first"
+        " reads its examples, as `tracegym import FILE --name STEM` does (sft: chat JSONL with tool calls;"
+        " dpo: preference pairs), and trained on beside `runs`: a file's groups are named after its name"
+        " without the extension. A record the gateway refuses stops the run with its line; a resumed run"
+        " imports nothing twice.",
+    )
+
+    @field_validator("files")
+    @classmethod
+    def _file_names(cls, v: list[Path]) -> list[Path]:
+        for p in v:
+            if not re.fullmatch(r"[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*", dataset_name(p)):
+                raise ValueError(f"{str(p)!r}: the dataset's name (the file name without its extension) may hold"
+                                 " only letters, digits, '_', '.' and single '-' between them")
+        return v
+
+    def sources(self) -> list[str]:
+        """The runs and imported datasets the examples come from, by name."""
+        return [*self.runs, *(dataset_name(p) for p in self.files)]
+
+
+def dataset_name(path: Path) -> str:
+    """The name ``SourceConfig.files`` imports ``path`` under: its file name without the extension."""
+    return path.stem
 
 
 class SftConfig(SourceConfig):

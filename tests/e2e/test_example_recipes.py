@@ -21,7 +21,8 @@ RECIPES = sorted(p.parent.name for p in EXAMPLES.glob("*/recipe.yaml") if p.pare
 
 
 def tiny_recipe(name: str, tmp: Path) -> Path:
-    """``examples/NAME/recipe.yaml`` on tiny-random, one step of 2 tasks × 2 rollouts, 2 held-out tasks."""
+    """``examples/NAME/recipe.yaml`` on tiny-random, one step of 2 tasks × 2 rollouts (one of each phase of a
+    chained recipe), 2 held-out tasks."""
     src = EXAMPLES / name
     recipe = yaml.safe_load((src / "recipe.yaml").read_text())
     tasks = (src / recipe["data"]["path"]).read_text().splitlines()
@@ -29,8 +30,15 @@ def tiny_recipe(name: str, tmp: Path) -> Path:
     held = (src / recipe["data"]["eval_path"]).read_text().splitlines() if recipe["data"].get("eval_path") else tasks[4:]
     (tmp / "eval.jsonl").write_text("\n".join(held[:2]) + "\n")
     module, function = recipe["agent"]["target"].split(":")
-    recipe.update(model="tiny-random", steps=1, batch_size=2, group_size=2, eval_samples=1, eval_interval=0,
+    recipe.update(model="tiny-random", batch_size=2, group_size=2, eval_samples=1, eval_interval=0,
                   run_dir=str(tmp / "run"), data={"path": "train.jsonl", "eval_path": "eval.jsonl"})
+    if "phases" in recipe:  # one step of each phase
+        recipe["phases"] = [{**phase, "steps": 1} for phase in recipe["phases"]]
+    else:
+        recipe["steps"] = 1
+    for key in ("sft", "dpo"):  # dataset files stay the example's
+        if recipe.get(key, {}).get("files"):
+            recipe[key]["files"] = [str(src / f) for f in recipe[key]["files"]]
     recipe["agent"].update(target=f"{src / (module + '.py')}:{function}", concurrency=8)
     recipe["upstream"] = {**recipe.get("upstream", {}), "max_batch_size": 8}
     path = tmp / "recipe.yaml"
@@ -53,7 +61,9 @@ def test_example_recipe_completes_a_step(name: str, tmp_path: Path, tiny_model_d
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    (step,) = [r for r in rows if r["kind"] == "train"]
-    assert step["step"] == 1 and step["rollouts"] == 4 and step["dropped_rollouts"] == 0, step
+    steps = len(yaml.safe_load(recipe.read_text()).get("phases") or [1])
+    *_, step = train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1)), train
+    assert step["rollouts"] == 4 and step["dropped_rollouts"] == 0, step  # the last step samples (grpo)
     evals = [r for r in rows if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [0, 1] and all(r["failed"] == 0 for r in evals), evals
+    assert [r["step"] for r in evals] == [0, steps] and all(r["failed"] == 0 for r in evals), evals

@@ -15,6 +15,7 @@ def test_phases_set_the_steps_and_each_steps_objective() -> None:
     assert r.steps == 5 and r.objectives() == {"sft", "grpo"}
     assert [r.objective_at(i) for i in range(6)] == ["sft", "sft", "grpo", "grpo", "grpo", "grpo"]
     assert [r.phase_index(i) for i in range(5)] == [0, 0, 1, 1, 1]
+    assert r.phase_ends() == [2]  # the held-out split is evaluated after the sft phase too
     again = validate_recipe(r.model_dump())  # what check_recipe does with a recipe changed in code
     assert again.steps == 5
     cfg = TrainConfig.from_recipe(r)
@@ -24,6 +25,7 @@ def test_phases_set_the_steps_and_each_steps_objective() -> None:
 def test_the_default_is_grpo_for_steps_steps() -> None:
     r = validate_recipe({**BASE, "steps": 7})
     assert r.objective == "grpo" and r.objective_at(6) == "grpo" and r.phase_index(3) == 0
+    assert r.phase_ends() == []
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -31,12 +31,13 @@ def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def evals_left(step: int, total: int, interval: int, *, evaluates: bool = True) -> int:
+def evals_left(step: int, total: int, interval: int, *, evaluates: bool = True, also: Sequence[int] = ()) -> int:
     """Held-out evaluations still to come once step ``step``'s line is printed: one after every
-    ``interval``-th step before the last (that step's own included), and the final one."""
+    ``interval``-th step and every step of ``also`` before the last (that step's own included), and the
+    final one."""
     if not evaluates:
         return 0
-    between = sum(1 for k in range(max(step, 1), total) if interval and k % interval == 0)
+    between = sum(1 for k in range(max(step, 1), total) if (interval and k % interval == 0) or k in also)
     return between + 1
 
 

@@ -156,6 +156,7 @@ class Trainer(ObjectiveSteps):
             recipe.steps,
             start_step=self.state.step,
             eval_interval=recipe.eval_interval,
+            eval_steps=recipe.phase_ends(),
             evaluates=bool(self.eval_tasks),
             step_rollouts=recipe.batch_size * recipe.group_size,
             eval_rollouts=len(self.eval_tasks) * recipe.eval_samples,
@@ -297,10 +298,9 @@ class Trainer(ObjectiveSteps):
             self.sinks.log(self.state.step, metrics)
             self.progress.step(self.state.step, metrics)
             if (
-                self.r.eval_interval
-                and self.state.step % self.r.eval_interval == 0
-                and self.state.step < self.r.steps
-            ):
+                (self.r.eval_interval and self.state.step % self.r.eval_interval == 0)
+                or self.state.step in self.r.phase_ends()
+            ) and self.state.step < self.r.steps:
                 self.evaluate()
             if self.r.checkpoint_interval and self.state.step % self.r.checkpoint_interval == 0:
                 self.checkpoint(pending)

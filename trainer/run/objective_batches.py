@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tracegym.trainer.recipe import RecipeError
 from tracegym.trainer.run.build_batch import build_train_batch, reward_stats
-from tracegym.trainer.settings import DpoConfig, LoraConfig, SftConfig
+from tracegym.trainer.settings import DpoConfig, LoraConfig, SftConfig, dataset_name
 from tracegym.trainer.workers.batches import TrainBatch
 from tracegym.types import Sequence as TokenSequence
 from tracegym.types import Trajectory
@@ -156,12 +157,31 @@ def check_source(objective: str, groups: Groups, runs: Sequence[str], sft: SftCo
 
 def load_source(client: Any, objective: str, recipe: Any) -> list[tuple[str, list[Trajectory]]]:
     """The example groups of ``objective``'s source runs (``recipe.sft.runs`` / ``recipe.dpo.runs``) in the
-    store behind ``client`` (a ``GatewayClient``), checked by ``check_source``."""
-    runs = getattr(recipe, objective).runs
+    store behind ``client`` (a ``GatewayClient``), checked by ``check_source``; its dataset ``files`` are
+    imported first (``import_files``)."""
+    src = getattr(recipe, objective)
+    import_files(client, objective, src.files)
+    runs = src.sources()
     # imported examples carry no logprobs (the assembly calls them re-tokenized): asked for explicitly
     lines = client.iter_lines("/api/trajectories", "read the source runs",
                               {"status": "completed", "include_retokenized": "true"})
     return check_source(objective, read_source(lines, runs), runs, recipe.sft, recipe.dpo)
+
+
+def import_files(client: Any, objective: str, files: Sequence[Path]) -> None:
+    """Import each of ``files`` into the store behind ``client`` as ``tracegym import FILE --name STEM``
+    does (sft: chat records, dpo: preference pairs); groups already there are skipped. A missing file or
+    a refused record is a ``RecipeError`` naming it."""
+    from tracegym.client import GatewayError
+    from tracegym.imports import import_file
+
+    for path in files:
+        if not path.is_file():
+            raise RecipeError(f"{objective}.files: no such file: {path}")
+        try:
+            import_file(client, path, name=dataset_name(path), fmt="chat" if objective == "sft" else "dpo")
+        except GatewayError as e:
+            raise RecipeError(f"{objective}.files: {path}: {e}") from None
 
 
 def take_groups(src: Sequence[tuple[str, list[Trajectory]]], pos: int, objective: str, *, batch_size: int,

@@ -30,7 +30,7 @@ class ObjectiveSteps:
 
     def offline(self, objective: str) -> bool:
         """Whether ``objective``'s steps read examples from runs in the store instead of sampling."""
-        return objective in ("sft", "dpo") and bool(getattr(self.r, objective).runs)
+        return objective in ("sft", "dpo") and bool(getattr(self.r, objective).sources())
 
     def source_groups(self, objective: str) -> list[tuple[str, list[Trajectory]]]:
         """The next groups of the offline source (``objective_batches.take_groups``), read from the store
@@ -41,7 +41,7 @@ class ObjectiveSteps:
             self._sources[objective] = load_source(self.ctl.client, objective, self.r)
             n = sum(len(ts) for _, ts in self._sources[objective])
             self.progress.message(f"{objective}: {len(self._sources[objective])} groups ({n} rollouts) of runs "
-                                  f"{getattr(self.r, objective).runs} to train on")
+                                  f"{getattr(self.r, objective).sources()} to train on")
         groups, self.state.source_pos = take_groups(self._sources[objective], self.state.source_pos, objective,
                                                     batch_size=self.r.batch_size, group_size=self.r.group_size)
         return groups

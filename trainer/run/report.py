@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -85,6 +85,7 @@ class StepProgress:
         out: TextIO | None = None,
         start_step: int = 0,
         eval_interval: int = 0,
+        eval_steps: Sequence[int] = (),
         evaluates: bool = True,
         step_rollouts: int = 0,
         eval_rollouts: int = 0,
@@ -92,13 +93,15 @@ class StepProgress:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``step_rollouts`` and ``eval_rollouts``: the rollouts a step and an evaluation sample (they
-        scale the steps' generation time into an evaluation's until an evaluation after the first ran)."""
+        scale the steps' generation time into an evaluation's until an evaluation after the first ran);
+        ``eval_steps``: steps evaluated besides every ``eval_interval``-th (the ends of phases)."""
         from tracegym.progress import Progress
 
         self.total = total
         self.out = out or sys.stderr
         self.start_step = start_step
         self.eval_interval = eval_interval
+        self.eval_steps = tuple(eval_steps)
         self.evaluates = evaluates
         self.step_rollouts = step_rollouts
         self.eval_rollouts = eval_rollouts
@@ -113,7 +116,7 @@ class StepProgress:
         """Seconds left once step ``step``'s line is printed (``eta.eta_seconds``); None: no estimate yet."""
         return eta_seconds(
             self.step_s, self.total - step, gen_s=self.gen_s, eval_s=self.eval_s,
-            evals=evals_left(step, self.total, self.eval_interval, evaluates=self.evaluates),
+            evals=evals_left(step, self.total, self.eval_interval, evaluates=self.evaluates, also=self.eval_steps),
             eval_rollouts=self.eval_rollouts, step_rollouts=self.step_rollouts,
         )
 

@@ -42,9 +42,9 @@ def run_params(recipe: Any) -> dict[str, str]:
         p |= {"algorithm.advantage": a.advantage, "algorithm.loss": a.loss, "algorithm.agg": a.agg,
               "algorithm.kl_coef": a.kl_coef}
     if "sft" in objectives:
-        p |= {"sft.runs": ",".join(recipe.sft.runs) or "online", "sft.min_reward": recipe.sft.min_reward}
+        p |= {"sft.runs": ",".join(recipe.sft.sources()) or "online", "sft.min_reward": recipe.sft.min_reward}
     if "dpo" in objectives:
-        p |= {"dpo.runs": ",".join(recipe.dpo.runs) or "online", "dpo.beta": recipe.dpo.beta,
+        p |= {"dpo.runs": ",".join(recipe.dpo.sources()) or "online", "dpo.beta": recipe.dpo.beta,
               "dpo.min_margin": recipe.dpo.min_margin}
     if "distill" in objectives and recipe.distill is not None:
         p |= {"distill.teacher": recipe.distill.teacher, "distill.reward_weight": recipe.distill.reward_weight}

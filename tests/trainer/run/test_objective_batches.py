@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from tracegym.trainer.recipe import RecipeError, TrainRecipe
 from tracegym.trainer.run.objective_batches import (
     EmptySourceError,
     check_source,
     dpo_batch,
     group_pair,
+    import_files,
     in_runs,
     read_source,
     sft_batch,
@@ -90,3 +93,45 @@ def test_take_groups_cycles() -> None:
     assert [g for g, _ in got] == ["g2", "g0"] and pos == 4
     got, pos = take_groups(src, 0, "sft", batch_size=2, group_size=2)  # 4 rollouts: two groups of two
     assert [g for g, _ in got] == ["g0", "g1"] and pos == 2
+
+
+class _ImportClient:
+    """Answers ``POST /api/import`` as the gateway does, or refuses the records of ``refuse``."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.bodies: list[dict] = []
+        self.refuse = refuse
+
+    def post(self, path: str, body: dict, what: str) -> dict:
+        from tracegym.client import GatewayError
+
+        assert path == "/api/import"
+        if self.refuse and body["name"] == self.refuse:
+            raise GatewayError("400: line 2: messages[1] calls tool 'search', but the record offers tools []")
+        self.bodies.append(body)
+        return {"groups": len(body["records"]), "skipped": 0, "rollouts": len(body["records"]), "calls": 0}
+
+
+def test_dataset_files_are_imported_under_their_name_and_read_beside_the_runs(tmp_path: Path) -> None:
+    demos, pairs = tmp_path / "demos.v2.jsonl", tmp_path / "pairs.jsonl"
+    demos.write_text('{"messages": []}\n\n{"messages": []}\n')
+    pairs.write_text('{"prompt": [], "chosen": [], "rejected": []}\n')
+    assert SftConfig(runs=["first"], files=[demos]).sources() == ["first", "demos.v2"]
+    client = _ImportClient()
+    import_files(client, "sft", [demos])
+    import_files(client, "dpo", [pairs])
+    assert [(b["name"], b["format"], b["lines"]) for b in client.bodies] == [("demos.v2", "chat", [1, 3]),
+                                                                           ("pairs", "dpo", [1])]
+    with pytest.raises(RecipeError, match=r"sft.files: .*demos.v2.jsonl: 400: line 2: messages\[1\] calls tool"):
+        import_files(_ImportClient(refuse="demos.v2"), "sft", [demos])
+    with pytest.raises(RecipeError, match=r"dpo.files: no such file: .*missing.jsonl"):
+        import_files(client, "dpo", [tmp_path / "missing.jsonl"])
+
+
+def test_dataset_files_are_relative_to_the_recipe_and_named_plainly(tmp_path: Path) -> None:
+    recipe = TrainRecipe(model="tiny-random", data={"path": "train.jsonl"}, agent={"target": "agent:agent"},
+                         sft={"files": ["demos.jsonl"]}, dpo={"files": ["/abs/pairs.jsonl"]})
+    resolved = recipe.resolve_paths(tmp_path)
+    assert resolved.sft.files == [tmp_path / "demos.jsonl"] and resolved.dpo.files == [Path("/abs/pairs.jsonl")]
+    with pytest.raises(ValueError, match=r"the dataset's name .* may hold only letters"):
+        SftConfig(files=["my demos.jsonl"])

@@ -67,6 +67,7 @@ def test_eta_is_a_moving_average_of_the_last_steps() -> None:
     assert eval_estimate([40.0], [], eval_rollouts=128, step_rollouts=32) == 40.0
     assert evals_left(18, 36, 18) == 2  # step 18's own evaluation is still to come once its line is printed
     assert evals_left(36, 36, 18) == 1 and evals_left(5, 36, 0) == 1 and evals_left(5, 36, 0, evaluates=False) == 0
+    assert evals_left(1, 12, 0, also=[4]) == 2 and evals_left(5, 12, 4, also=[4, 6]) == 3  # phase ends: 6, 8, final
 
 
 def test_without_a_terminal_the_live_line_is_printed_every_10s() -> None:

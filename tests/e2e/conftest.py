@@ -1,13 +1,20 @@
 """One `tracegym serve --engine embedded --model tiny-random` (gateway + engine child + SQLite store) for
 every e2e module that does not change the engine's weights; a module that does (test_swap) overrides
-``gateway`` with its own."""
+``gateway`` with its own. Also the plumbing of the tests that train through ``tracegym train``: a run's
+metrics rows, and an example's recipe trained shortened."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from tests.procs import ManagedProcess, free_port, start_process
 
@@ -18,6 +25,41 @@ def serve_tiny(tmp: Path, *extra: str) -> ManagedProcess:
     argv = ["tracegym", "serve", "--engine", "embedded", "--model", "tiny-random", "--port", str(port),
             "--store", f"sqlite:///{tmp / 'tracegym.db'}", *extra]  # fmt: skip
     return start_process(argv, port=port, log_path=tmp / "gateway.log", health_path="/healthz", timeout=240)
+
+
+def metrics_rows(run: Path) -> list[dict[str, Any]]:
+    """The rows of a run directory's ``metrics.jsonl``."""
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_example_shortened(
+    example: Path, tmp: Path, steps: int, eval_tasks: int, timeout: float
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """``tracegym train`` of an example's recipe (``example``: its directory) for ``steps`` steps, evaluated
+    on its first ``eval_tasks`` held-out tasks at the start and the end only, run in ``tmp`` (run directory
+    ``tmp/run``); the run must succeed. Returns the finished process and the run's metrics rows."""
+    recipe = yaml.safe_load((example / "recipe.yaml").read_text())
+    held = (example / "eval.jsonl").read_text().splitlines()[:eval_tasks]
+    (tmp / "eval.jsonl").write_text("\n".join(held) + "\n")
+    recipe.update(
+        steps=steps,
+        eval_interval=0,
+        run_dir=str(tmp / "run"),
+        data={"path": str(example / "train.jsonl"), "eval_path": str(tmp / "eval.jsonl")},
+    )
+    recipe["agent"]["target"] = f"{example / 'agent.py'}:agent"
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    res = subprocess.run(
+        [sys.executable, "-m", "tracegym.cli", "train", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ},
+        cwd=tmp,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return res, metrics_rows(tmp / "run")
 
 
 @pytest.fixture(scope="session")

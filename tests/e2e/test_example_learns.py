@@ -4,14 +4,11 @@ reward must rise, and the agent must call its tool more often."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.e2e.conftest import train_example_shortened
 
 ROOT = Path(__file__).resolve().parents[2]
 EX = ROOT / "examples" / "openai"
@@ -24,18 +21,7 @@ RISE = 0.25
 
 @pytest.mark.slow
 def test_openai_example_learns_its_calculator(tmp_path: Path) -> None:
-    recipe = yaml.safe_load((EX / "recipe.yaml").read_text())
-    held = (EX / "eval.jsonl").read_text().splitlines()[:EVAL_TASKS]
-    (tmp_path / "eval.jsonl").write_text("\n".join(held) + "\n")
-    recipe.update(steps=STEPS, eval_interval=0, run_dir=str(tmp_path / "run"),
-                  data={"path": str(EX / "train.jsonl"), "eval_path": str(tmp_path / "eval.jsonl")})
-    recipe["agent"]["target"] = f"{EX / 'agent.py'}:agent"
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    res = subprocess.run([sys.executable, "-m", "tracegym.cli", "train", str(path)],
-                         capture_output=True, text=True, timeout=1500, env={**os.environ}, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    _, rows = train_example_shortened(EX, tmp_path, STEPS, EVAL_TASKS, timeout=1500)
     evals = [r for r in rows if r["kind"] == "eval"]
     before, after = evals[0], evals[-1]
     print(f"openai example ({STEPS} steps): eval reward {before['reward_mean']:.3f} -> {after['reward_mean']:.3f}, "

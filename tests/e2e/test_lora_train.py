@@ -5,13 +5,13 @@ weight versions, and ``--resume`` continues from the adapters and optimizer of t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.e2e.test_train_loop import _train, _write_recipe
+from tests.e2e.conftest import metrics_rows
+from tests.e2e.test_train_loop import _train, _trained, _write_recipe
 from tracegym.trainer.recipe import load_recipe
 
 
@@ -32,7 +32,7 @@ def test_two_roles_two_adapters(tmp_path: Path, tiny_model_dir: Path) -> None:
     res = _train(recipe)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     run = tmp_path / "run"
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(run)
     trained = [r for r in rows if r["kind"] == "train" and "loss" in r]
     assert trained, "no step carried signal"
     for r in trained:
@@ -63,7 +63,4 @@ def test_two_roles_two_adapters(tmp_path: Path, tiny_model_dir: Path) -> None:
     finally:
         store.close()
 
-    res = _train(recipe, "--resume", "--steps", "3")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    _trained(recipe, "--resume", "--steps", "3", steps=[1, 2, 3])

@@ -6,16 +6,13 @@ at least two sampled (mask-1) segments each on average, with the tool results an
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
+from tests.e2e.conftest import train_example_shortened
 from tests.procs import free_port, start_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,18 +23,7 @@ EVAL_TASKS = 32  # x 2 samples: the standard error of the difference is < 0.1 at
 
 @pytest.mark.slow
 def test_tool_agent_learns_to_call_its_tool(tmp_path: Path) -> None:
-    recipe = yaml.safe_load((EX / "recipe.yaml").read_text())
-    held = (EX / "eval.jsonl").read_text().splitlines()[:EVAL_TASKS]
-    (tmp_path / "eval.jsonl").write_text("\n".join(held) + "\n")
-    recipe.update(steps=STEPS, eval_interval=0, run_dir=str(tmp_path / "run"),
-                  data={"path": str(EX / "train.jsonl"), "eval_path": str(tmp_path / "eval.jsonl")})
-    recipe["agent"]["target"] = f"{EX / 'agent.py'}:agent"
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    res = subprocess.run([sys.executable, "-m", "tracegym.cli", "train", str(path)],
-                         capture_output=True, text=True, timeout=1200, env={**os.environ}, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    res, rows = train_example_shortened(EX, tmp_path, STEPS, EVAL_TASKS, timeout=1200)
     evals = [r for r in rows if r["kind"] == "eval"]
     train = [r for r in rows if r["kind"] == "train"]
     before, after = evals[0], evals[-1]

@@ -8,14 +8,13 @@ directory at the end), and a resumed run sets the group up again with its fresh 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.e2e.test_train_loop import _train, _write_recipe
+from tests.e2e.test_train_loop import _trained, _write_recipe
 
 
 def _logprobs_under(model: torch.nn.Module, prompt: list[int], output: list[int]) -> list[float]:
@@ -28,12 +27,8 @@ def _logprobs_under(model: torch.nn.Module, prompt: list[int], output: list[int]
 def test_train_pushes_every_step_over_the_weight_update_group(tmp_path: Path, tiny_model_dir: Path) -> None:
     recipe = _write_recipe(tmp_path, steps=2, keep="checkpoint",
                            upstream={"engine_dtype": "float32", "weight_sync": "distributed"})
-    res = _train(recipe)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    res, _, train_rows = _trained(recipe, steps=[1, 2])
     run = tmp_path / "run"
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if r["kind"] == "train"]
-    assert [r["step"] for r in train_rows] == [1, 2]
     swaps = sum(1 for r in train_rows if "loss" in r)
     assert swaps >= 1, train_rows  # a step whose groups all tie trains nothing (rare: 2 groups of 4)
     setups = re.findall(r"weight sync: distributed \(gloo\), rank 0 at 127\.0\.0\.1:\d+ with 1 engine\(s\) of 1 "
@@ -72,11 +67,7 @@ def test_train_pushes_every_step_over_the_weight_update_group(tmp_path: Path, ti
     assert worst < 1e-3 < moved  # the trainer's weights, not the base model's
 
     # resumed: a fresh engine and gateway; the group is set up again, the checkpoint's version pushed
-    res = _train(recipe, "--resume", "--steps", "3")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if r["kind"] == "train"]
-    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    res, _, train_rows = _trained(recipe, "--resume", "--steps", "3", steps=[1, 2, 3])
     assert re.findall(r"weight sync: distributed \(gloo\).*\((.*)\)", res.stderr) == ["first push"]
     again = [str(swaps)] + ([str(swaps + 1)] if "loss" in train_rows[-1] else [])  # the checkpoint's, step 3's
     gateway_log = (run / "logs" / "gateway.log").read_text()  # both runs' gateways, one after the other

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import metrics_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -46,15 +48,22 @@ def _train(recipe: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _trained(recipe: Path, *args: str, steps: list[int]) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
+    """``_train`` that must succeed and leave train rows for ``steps`` in the run directory's metrics (the
+    recipe's ``run`` folder): the process, all metrics rows and the train rows."""
+    res = _train(recipe, *args)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    rows = metrics_rows(recipe.parent / "run")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == steps
+    return res, rows, train_rows
+
+
 @pytest.mark.slow
 def test_train_loop_swaps_weights_and_resumes(tmp_path: Path, tiny_model_dir: Path) -> None:
     recipe = _write_recipe(tmp_path, steps=2, keep="checkpoint")  # the resume below extends the ended run
-    res = _train(recipe)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    res, rows, train_rows = _trained(recipe, steps=[1, 2])
     run = tmp_path / "run"
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if r["kind"] == "train"]
-    assert [r["step"] for r in train_rows] == [1, 2]
     assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 2]
     for r in train_rows:
         assert r["rollouts"] == 8
@@ -88,10 +97,7 @@ def test_train_loop_swaps_weights_and_resumes(tmp_path: Path, tiny_model_dir: Pa
         store.close()
 
     # Resume: continue to step 3 from the checkpoint, against a fresh gateway on the same store.
-    res = _train(recipe, "--resume", "--steps", "3")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+    _trained(recipe, "--resume", "--steps", "3", steps=[1, 2, 3])
 
 
 def test_bad_recipe_is_a_clear_error(tmp_path: Path) -> None:
@@ -108,10 +114,6 @@ def test_async_mode_trains_on_fresh_groups(tmp_path: Path, tiny_model_dir: Path)
     """Asynchronous mode: runners never stop, the queue stays two batches deep, and each step trains on
     finished groups within ``max_staleness`` weight versions of the current one."""
     recipe = _write_recipe(tmp_path, steps=3, mode="async", max_staleness=1)
-    res = _train(recipe)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    train_rows = [r for r in rows if r["kind"] == "train"]
-    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    _, _, train_rows = _trained(recipe, steps=[1, 2, 3])
     for r in train_rows:
         assert r["stale_groups"] >= 0 and r["rollouts"] <= 8  # at most batch_size groups of 4 are trained

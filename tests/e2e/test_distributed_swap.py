@@ -21,6 +21,7 @@ import torch
 
 from tests.gateway.app_support import sse_payloads
 from tests.procs import ManagedProcess, free_port, start_process
+from tests.trainer.weights.gateway_support import engine_greedy, logprobs_under
 from tracegym.trainer.weights.distributed import (
     DistributedWeightSync,
     init_distributed,
@@ -29,7 +30,6 @@ from tracegym.trainer.weights.distributed import (
 )
 
 MODEL = "tiny-random"
-PROMPT = [1, 4093, 28, 2, 1, 1032, 34]
 Q = [{"role": "user", "content": "Tell me a long story."}]
 
 
@@ -50,29 +50,6 @@ def fleet(tiny_model_dir: Path, tmp_path: Path) -> Iterator[tuple[ManagedProcess
         with start_process(argv, port=port, log_path=tmp_path / "gateway.log", health_path="/healthz",
                            timeout=240) as gw:
             yield gw, a, b
-
-
-def _generate(engine: ManagedProcess) -> tuple[list[int], list[float], str]:
-    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(engine.base_url + "/generate", timeout=60,
-                   json={"input_ids": PROMPT, "return_logprob": True, "sampling_params": sp})
-    assert r.status_code == 200, r.text
-    meta = r.json()["meta_info"]
-    return [t[1] for t in meta["output_token_logprobs"]], [t[0] for t in meta["output_token_logprobs"]], \
-        meta["weight_version"]
-
-
-def _trainer_logprobs(state: dict[str, torch.Tensor], model_dir: Path, output_ids: list[int]) -> list[float]:
-    """The logprobs of ``output_ids`` after PROMPT under ``state`` (the trainer's gathered weights)."""
-    from tracegym.modelfiles.load import load_model
-
-    model = load_model(model_dir, device="cpu", dtype="float32")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    ids = torch.tensor([PROMPT + output_ids])
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits[0].float(), -1)
-    return [float(logp[len(PROMPT) - 1 + i, t]) for i, t in enumerate(output_ids)]
 
 
 def _perturb(worker: Any) -> None:
@@ -115,8 +92,8 @@ def test_a_distributed_push_reaches_both_engines_through_the_gateway(
     from tracegym.trainer.workers.train_config import TrainConfig
 
     gw, a, b = fleet
-    ids_a, before_a, v_a = _generate(a)
-    assert _generate(b)[1:] == (before_a, v_a) and v_a == "0"
+    ids_a, before_a, v_a = engine_greedy(a.base_url, 6)
+    assert engine_greedy(b.base_url, 6)[1:] == (before_a, v_a) and v_a == "0"
     if workers > 1:  # Ray pickles the per-rank functions by value: its workers need not import tests/
         import sys
 
@@ -127,7 +104,7 @@ def test_a_distributed_push_reaches_both_engines_through_the_gateway(
     try:
         group.run_on_ranks(_perturb)
         state = group.run_on_ranks(_gather)[0]
-        assert _trainer_logprobs(state, tiny_model_dir, ids_a) != pytest.approx(before_a, abs=1e-3)
+        assert logprobs_under(state, tiny_model_dir, ids_a) != pytest.approx(before_a, abs=1e-3)
 
         sync = DistributedWeightSync(gw.base_url, backend="gloo", broadcast_dtype="float32", bucket_bytes=64 << 10)
         assert len(plan_buckets([(n, list(t.shape)) for n, t in state.items()], 4, sync.bucket_bytes)) > 2
@@ -149,9 +126,9 @@ def test_a_distributed_push_reaches_both_engines_through_the_gateway(
         assert httpx.get(gw.base_url + "/api/weights", timeout=30).json()["weight_version"] == "7"
         for engine in (a, b):
             assert httpx.get(engine.base_url + "/model_info", timeout=30).json()["weight_version"] == "7"
-            ids, got, version = _generate(engine)
+            ids, got, version = engine_greedy(engine.base_url, 6)
             assert version == "7"
-            assert got == pytest.approx(_trainer_logprobs(state, tiny_model_dir, ids), abs=1e-4)
+            assert got == pytest.approx(logprobs_under(state, tiny_model_dir, ids), abs=1e-4)
 
         assert out.get("status") == 200, out
         events = out["events"]

@@ -20,12 +20,10 @@ import torch
 
 from tests.gateway.app_support import ServerThread
 from tests.procs import ManagedProcess, free_port, start_process
-from tests.trainer.weights.gateway_support import weights_gateway
+from tests.trainer.weights.gateway_support import engine_greedy, logprobs_under, weights_gateway
 from tracegym.trainer.weights.distributed import DistributedWeightSync, weight_update_group
 from tracegym.trainer.weights.gateway import WeightSyncError
 from tracegym.trainer.weights.group_sync import GroupWeightSync, _leave_on_rank, route_address
-
-PROMPT = [1, 4093, 28, 2, 1, 1032, 34]
 
 
 def _start_engine(model_dir: Path, port: int, log: Path) -> ManagedProcess:
@@ -70,30 +68,10 @@ def _gather(worker: Any) -> dict[str, torch.Tensor]:
     return {n: t.detach().float().clone() for n, t in worker.rank0_full_params()}
 
 
-def _engine_logprobs(engine: ManagedProcess) -> tuple[list[int], list[float], str]:
-    sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(engine.base_url + "/generate", timeout=60,
-                   json={"input_ids": PROMPT, "return_logprob": True, "sampling_params": sp})
-    assert r.status_code == 200, r.text
-    meta = r.json()["meta_info"]
-    toks = meta["output_token_logprobs"]
-    return [t[1] for t in toks], [t[0] for t in toks], meta["weight_version"]
-
-
-def _logprobs_under(state: dict[str, torch.Tensor], model_dir: Path, ids: list[int]) -> list[float]:
-    from tracegym.modelfiles.load import load_model
-
-    model = load_model(model_dir, device="cpu", dtype="float32")
-    model.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([PROMPT + ids])).logits[0].float(), -1)
-    return [float(logp[len(PROMPT) - 1 + i, t]) for i, t in enumerate(ids)]
-
-
 def _serves_the_trainers(engine: ManagedProcess, workers: Any, model_dir: Path, version: str) -> None:
-    ids, got, served = _engine_logprobs(engine)
+    ids, got, served = engine_greedy(engine.base_url, 5)
     assert served == version
-    assert got == pytest.approx(_logprobs_under(workers.run_on_ranks(_gather)[0], model_dir, ids), abs=1e-4)
+    assert got == pytest.approx(logprobs_under(workers.run_on_ranks(_gather)[0], model_dir, ids), abs=1e-4)
 
 
 def test_route_address_of_loopback_is_loopback() -> None:
@@ -139,8 +117,8 @@ def test_set_up_once_again_after_an_engine_restart_and_after_a_failed_push(
         from tracegym.modelfiles.load import load_model
 
         saved = {n: p.detach() for n, p in load_model(out, device="cpu", dtype="float32").named_parameters()}
-        ids, got, _ = _engine_logprobs(engine[0])
-        assert got == pytest.approx(_logprobs_under(saved, tiny_model_dir, ids), abs=1e-4)
+        ids, got, _ = engine_greedy(engine[0].base_url, 5)
+        assert got == pytest.approx(logprobs_under(saved, tiny_model_dir, ids), abs=1e-4)
     finally:
         sync.close()
 

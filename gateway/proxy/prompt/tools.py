@@ -100,14 +100,21 @@ def named_call(obj: Any, names: Collection[str] | None, arg_keys: tuple[str, str
     return name, obj.get(first, obj.get(second, {}))
 
 
+def _loads(text: str) -> tuple[Any, str | None]:
+    """``(value, None)`` for JSON ``text``, else ``(None, why it does not parse)``."""
+    try:
+        return json.loads(text), None
+    except ValueError as e:  # JSONDecodeError is a ValueError
+        return None, str(getattr(e, "msg", e))
+    except RecursionError:
+        return None, "nested too deeply"
+
+
 def arguments_error(text: str) -> str | None:
     """Why ``text`` is not a JSON object of call arguments, or None when it is."""
-    try:
-        args = json.loads(text)
-    except ValueError as e:  # JSONDecodeError is a ValueError
-        return f"arguments are not JSON ({getattr(e, 'msg', e)})"
-    except RecursionError:
-        return "arguments are not JSON (nested too deeply)"
+    args, why = _loads(text)
+    if why is not None:
+        return f"arguments are not JSON ({why})"
     if not isinstance(args, dict):
         return f"arguments are not an object ({type(args).__name__})"
     return None
@@ -115,12 +122,9 @@ def arguments_error(text: str) -> str | None:
 
 def _as_call(inner: str, names: Collection[str] | None) -> tuple[str, str] | str:
     """``(name, arguments JSON string)`` when ``inner`` is a well-formed call, else why it is not."""
-    try:
-        obj = json.loads(inner)
-    except ValueError as e:  # JSONDecodeError is a ValueError
-        return f"invalid JSON ({getattr(e, 'msg', e)})"
-    except RecursionError:
-        return "invalid JSON (nested too deeply)"
+    obj, why = _loads(inner)
+    if why is not None:
+        return f"invalid JSON ({why})"
     named = named_call(obj, names, ("arguments", "parameters"))
     if isinstance(named, str):
         return named

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
+from typing import Generic, TypeVar
 
 from tracegym.gateway.proxy.prompt.families.base import partial_marker
 from tracegym.gateway.proxy.prompt.reasoning import ReasoningDelta
@@ -55,12 +56,17 @@ def _first(buf: str, markers: tuple[str, ...]) -> tuple[int, str]:
     return (m.start(), m.group()) if m else (-1, "")
 
 
-class _Messages:
-    """The message machine both readers share, fed through ``_read``: ``_buf`` holds the text not read yet;
+D = TypeVar("D")
+
+
+class _Messages(Generic[D]):
+    """The message machine both readers share, fed text deltas (``feed``, ``finish``), each answered with the
+    deltas of type ``D`` the subclass put in ``_out`` meanwhile. ``_buf`` holds the text not read yet;
     subclasses say what a message is once its header is known (``_opened``), what to do with its body text
     (``_body``), with its end (``_closed``: the stop marker, ``<|start|>`` when the next message begins, or
-    "" at the reply's end), with text between its stop marker and the next message (``_tail``) and with
-    text outside any message (``_passed``: the reply's leading whitespace)."""
+    "" at the reply's end), with text between its stop marker and the next message (``_tail``), with
+    text outside any message (``_passed``: the reply's leading whitespace) and with a whole reply that
+    turned out not to be harmony (``_not_harmony``)."""
 
     def __init__(self) -> None:
         self._buf = ""
@@ -68,6 +74,22 @@ class _Messages:
         self._state = "header"  # header | body | tail (after a stop marker, up to the next message)
         self._prefix = ""  # how the current message began: "" (the reply's first) or <|start|>
         self._header = ""
+        self._out: list[D] = []
+
+    def feed(self, delta: str) -> list[D]:
+        self._buf += delta
+        self._out = []
+        if self._decided():
+            self._read(final=False)
+        return self._out
+
+    def finish(self) -> list[D]:
+        self._out = []
+        if self._decided():
+            self._read(final=True)
+        else:
+            self._not_harmony()
+        return self._out
 
     def _decided(self) -> bool:
         """Whether the reply is known to be harmony (until then it is held whole)."""
@@ -141,8 +163,12 @@ class _Messages:
     def _passed(self, text: str) -> None:
         """Text outside any message: dropped unless a reader keeps it."""
 
+    def _not_harmony(self) -> None:
+        """The reply ended without harmony markup: ``_buf`` holds it whole."""
+        raise NotImplementedError
 
-class HarmonyReasoning(_Messages):
+
+class HarmonyReasoning(_Messages[ReasoningDelta]):
     """Analysis bodies as reasoning deltas (joined by a newline), everything else as text deltas as written,
     as they come (``feed``, ``finish``); ``started``: an analysis message was seen. ``opens``: the prompt
     ended inside ``<think>`` (for a reply that turns out not to be harmony)."""
@@ -153,28 +179,19 @@ class HarmonyReasoning(_Messages):
         self.state = "start"
         self.started = False
         self._analysis = False  # the current message is analysis
-        self._out: list[ReasoningDelta] = []
-
-    def feed(self, delta: str) -> list[ReasoningDelta]:
-        self._buf += delta
-        self._out = []
-        if self._decided():
-            self._read(final=False)
-        return self._out
 
     def finish(self) -> list[ReasoningDelta]:
-        self._out = []
-        if self._decided():
-            self._read(final=True)
-        else:
-            reasoning, text = split_think(self._buf, opens_in_reasoning=self._opens)
-            self._buf = ""
-            if reasoning is not None:
-                self.started = True
-                self._out.append(ReasoningDelta("reasoning", reasoning))
-            self._emit("text", text)
+        out = super().finish()
         self.state = "text"
-        return self._out
+        return out
+
+    def _not_harmony(self) -> None:
+        reasoning, text = split_think(self._buf, opens_in_reasoning=self._opens)
+        self._buf = ""
+        if reasoning is not None:
+            self.started = True
+            self._out.append(ReasoningDelta("reasoning", reasoning))
+        self._emit("text", text)
 
     def _emit(self, kind: str, text: str) -> None:
         if text:
@@ -204,7 +221,7 @@ class HarmonyReasoning(_Messages):
         self._emit("text", text)
 
 
-class HarmonyTools(_Messages):
+class HarmonyTools(_Messages[ToolStreamDelta]):
     """Content deltas and calls as they come (``feed``, ``finish``, ``status``), ``StreamTools``' protocol;
     ``names``: the offered tools (None: any)."""
 
@@ -219,27 +236,15 @@ class HarmonyTools(_Messages):
         self._args = ""
         self._calls = 0
         self._failures: list[str] = []
-        self._out: list[ToolStreamDelta] = []
 
     @property
     def status(self) -> str:
         return parse_status(self._calls, self._failures)
 
-    def feed(self, delta: str) -> list[ToolStreamDelta]:
-        self._buf += delta
-        self._out = []
-        if self._decided():
-            self._read(final=False)
-        return self._out
-
-    def finish(self) -> list[ToolStreamDelta]:
-        self._out = []
-        if self._decided():
-            self._read(final=True)
-        elif self._buf:
+    def _not_harmony(self) -> None:
+        if self._buf:
             self._out.append(ToolStreamDelta("content", self._buf))
             self._buf = ""
-        return self._out
 
     def _content(self, text: str) -> None:
         if not text:

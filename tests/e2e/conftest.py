@@ -33,20 +33,31 @@ def metrics_rows(run: Path) -> list[dict[str, Any]]:
 
 
 def train_example_shortened(
-    example: Path, tmp: Path, steps: int, eval_tasks: int, timeout: float
+    example: Path,
+    tmp: Path,
+    steps: int,
+    timeout: float,
+    eval_tasks: int | None = None,
+    lr: float | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     """``tracegym train`` of an example's recipe (``example``: its directory) for ``steps`` steps, evaluated
-    on its first ``eval_tasks`` held-out tasks at the start and the end only, run in ``tmp`` (run directory
-    ``tmp/run``); the run must succeed. Returns the finished process and the run's metrics rows."""
+    at the start and the end only, on its held-out tasks (the first ``eval_tasks`` of them, or all), with
+    learning rate ``lr`` instead of the recipe's when given; run in ``tmp`` (run directory ``tmp/run``). The
+    run must succeed. Returns the finished process and the run's metrics rows."""
     recipe = yaml.safe_load((example / "recipe.yaml").read_text())
-    held = (example / "eval.jsonl").read_text().splitlines()[:eval_tasks]
-    (tmp / "eval.jsonl").write_text("\n".join(held) + "\n")
+    eval_path = example / "eval.jsonl"
+    if eval_tasks is not None:
+        held = eval_path.read_text().splitlines()[:eval_tasks]
+        eval_path = tmp / "eval.jsonl"
+        eval_path.write_text("\n".join(held) + "\n")
     recipe.update(
         steps=steps,
         eval_interval=0,
         run_dir=str(tmp / "run"),
-        data={"path": str(example / "train.jsonl"), "eval_path": str(tmp / "eval.jsonl")},
+        data={"path": str(example / "train.jsonl"), "eval_path": str(eval_path)},
     )
+    if lr is not None:
+        recipe["optim"]["lr"] = lr
     recipe["agent"]["target"] = f"{example / 'agent.py'}:agent"
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))

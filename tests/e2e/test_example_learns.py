@@ -21,7 +21,7 @@ RISE = 0.25
 
 @pytest.mark.slow
 def test_openai_example_learns_its_calculator(tmp_path: Path) -> None:
-    _, rows = train_example_shortened(EX, tmp_path, STEPS, EVAL_TASKS, timeout=1500)
+    _, rows = train_example_shortened(EX, tmp_path, STEPS, timeout=1500, eval_tasks=EVAL_TASKS)
     evals = [r for r in rows if r["kind"] == "eval"]
     before, after = evals[0], evals[-1]
     print(f"openai example ({STEPS} steps): eval reward {before['reward_mean']:.3f} -> {after['reward_mean']:.3f}, "

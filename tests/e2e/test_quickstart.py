@@ -3,14 +3,11 @@ trainer, swaps) must raise the held-out reward within a few steps."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.e2e.conftest import train_example_shortened
 
 ROOT = Path(__file__).resolve().parents[2]
 QS = ROOT / "examples" / "quickstart"
@@ -21,27 +18,11 @@ STEPS = 18
 
 @pytest.mark.slow
 def test_quickstart_reward_rises(tmp_path: Path) -> None:
-    recipe = yaml.safe_load((QS / "recipe.yaml").read_text())
-    recipe.update(
-        steps=STEPS,
-        eval_interval=0,
-        run_dir=str(tmp_path / "run"),
-        data={"path": str(QS / "train.jsonl"), "eval_path": str(QS / "eval.jsonl")},
-    )
-    recipe["agent"]["target"] = f"{QS / 'agent.py'}:agent"
     # 3x the recipe's learning rate: the answer format locks in within a few steps (LEARNING_PROBE: lr 3e-5
     # learns fastest early, then plateaus). At 1e-5, 8 steps rose the held-out reward by +0.03 to +0.25
     # over runs (flaky); at 3e-5 by +0.16 to +0.63 over 5 runs (and 0 once, in CI). At 14 steps: +0.55 and +0.59
     # (2 runs, 147 s alone, bf16), but +0.21 on a CPU where bf16 is slower and it computes in fp32: 18 steps.
-    recipe["optim"]["lr"] = 3.0e-5
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    res = subprocess.run(
-        [sys.executable, "-m", "tracegym.cli", "train", str(path)],
-        capture_output=True, text=True, timeout=1500, env={**os.environ}, cwd=tmp_path,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    _, rows = train_example_shortened(QS, tmp_path, STEPS, timeout=1500, lr=3.0e-5)
     evals = [r for r in rows if r["kind"] == "eval"]
     before, after = evals[0]["reward_mean"], evals[-1]["reward_mean"]
     print(f"quickstart ({STEPS} steps): eval reward {before:.3f} -> {after:.3f}")

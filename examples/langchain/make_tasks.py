@@ -7,29 +7,24 @@ B, no question in both files.
 
 from __future__ import annotations
 
-import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for the shared _tasks module
+from _tasks import arithmetic, distinct, write
+
+
+def task(rng: random.Random) -> dict:
+    """A sum, or a difference of the larger minus the smaller."""
+    a, b = rng.randint(101, 999), rng.randint(101, 999)
+    return arithmetic(a, "+", b) if rng.random() < 0.5 else arithmetic(max(a, b), "-", min(a, b))
 
 
 def main() -> None:
     rng = random.Random(11)
-    seen: set[str] = set()
-    rows = []
-    while len(rows) < 256 + 64:
-        a, b = rng.randint(101, 999), rng.randint(101, 999)
-        if rng.random() < 0.5:
-            question, answer, tid = f"What is {a} + {b}?", a + b, f"add-{a}-{b}"
-        else:
-            a, b = max(a, b), min(a, b)
-            question, answer, tid = f"What is {a} - {b}?", a - b, f"sub-{a}-{b}"
-        if question not in seen:
-            seen.add(question)
-            rows.append({"task_id": tid, "input": {"question": question, "answer": answer}})
-    here = Path(__file__).parent
-    for name, chunk in (("train", rows[:256]), ("eval", rows[256:])):
-        (here / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chunk))
-    (here / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[256:259]))
+    rows = distinct(lambda: task(rng), 256 + 64)
+    write(Path(__file__).parent, rows[:256], rows[256:])
 
 
 if __name__ == "__main__":

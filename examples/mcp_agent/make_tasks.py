@@ -8,34 +8,48 @@ ones.
 
 from __future__ import annotations
 
-import json
 import random
+import sys
 from pathlib import Path
 
 from server import CAPITALS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for the shared _tasks module
+from _tasks import write
+
+
+def tasks(name: str, n: int, countries: list[str], rng: random.Random) -> list[dict]:
+    """Odd rows ask for a capital of ``countries``, even rows for a sum."""
+    rows = []
+    for i in range(n):
+        if i % 2:
+            country = countries[(i // 2) % len(countries)]
+            rows.append(
+                {
+                    "task_id": f"{name}-capital-{i:03d}-{country}",
+                    "input": {
+                        "question": f"What is the capital of {country.title()}?",
+                        "answer": CAPITALS[country],
+                    },
+                }
+            )
+        else:
+            a, b = rng.randint(101, 999), rng.randint(101, 999)
+            rows.append(
+                {
+                    "task_id": f"{name}-add-{i:03d}-{a}-{b}",
+                    "input": {"question": f"What is {a} + {b}?", "answer": str(a + b)},
+                }
+            )
+    return rows
 
 
 def main() -> None:
     rng = random.Random(23)
     countries = sorted(CAPITALS)
     rng.shuffle(countries)
-    split = {"train": countries[:80], "eval": countries[80:]}
-    here = Path(__file__).parent
-    for name, n in (("train", 256), ("eval", 64)):
-        rows = []
-        for i in range(n):
-            if i % 2:
-                country = split[name][(i // 2) % len(split[name])]
-                rows.append({"task_id": f"{name}-capital-{i:03d}-{country}",
-                             "input": {"question": f"What is the capital of {country.title()}?",
-                                       "answer": CAPITALS[country]}})
-            else:
-                a, b = rng.randint(101, 999), rng.randint(101, 999)
-                rows.append({"task_id": f"{name}-add-{i:03d}-{a}-{b}",
-                             "input": {"question": f"What is {a} + {b}?", "answer": str(a + b)}})
-        (here / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        if name == "eval":
-            (here / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    train = tasks("train", 256, countries[:80], rng)
+    write(Path(__file__).parent, train, tasks("eval", 64, countries[80:], rng), shown=4)
 
 
 if __name__ == "__main__":

@@ -6,21 +6,19 @@ held-out tasks, to try the agent by hand): "What is A * B?" for 2-digit A and B,
 
 from __future__ import annotations
 
-import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for the shared _tasks module
+from _tasks import arithmetic, write
 
 
 def main() -> None:
     rng = random.Random(7)
     pairs = rng.sample([(a, b) for a in range(11, 100) for b in range(11, 100)], 256 + 64)
-    here = Path(__file__).parent
-    for name, chunk in (("train", pairs[:256]), ("eval", pairs[256:])):
-        rows = [{"task_id": f"mul-{a}-{b}", "input": {"question": f"What is {a} * {b}?", "answer": a * b}}
-                for a, b in chunk]
-        (here / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        if name == "eval":
-            (here / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    rows = [arithmetic(a, "*", b) for a, b in pairs]
+    write(Path(__file__).parent, rows[:256], rows[256:])
 
 
 if __name__ == "__main__":

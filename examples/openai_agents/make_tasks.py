@@ -6,9 +6,12 @@ held-out tasks, to try the agent by hand): "What is A - B?" for 4-digit A > B, n
 
 from __future__ import annotations
 
-import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for the shared _tasks module
+from _tasks import arithmetic, write
 
 
 def main() -> None:
@@ -20,13 +23,8 @@ def main() -> None:
             pairs.add((max(a, b), min(a, b)))
     ordered = sorted(pairs)
     rng.shuffle(ordered)
-    here = Path(__file__).parent
-    for name, chunk in (("train", ordered[:256]), ("eval", ordered[256:])):
-        rows = [{"task_id": f"sub-{a}-{b}", "input": {"question": f"What is {a} - {b}?", "answer": a - b}}
-                for a, b in chunk]
-        (here / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        if name == "eval":
-            (here / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    rows = [arithmetic(a, "-", b) for a, b in ordered]
+    write(Path(__file__).parent, rows[:256], rows[256:])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.procs import free_port, start_process
 from tracegym.cli import build_parser
@@ -33,6 +34,8 @@ EXPENSIVE = {
     "tiny-random LoRA run through tracegym train: tests/e2e/test_lora_train.py, slow)",
     "tracegym train examples/tool_agent/recipe.yaml": "trains SmolLM2 for minutes (tests/e2e/test_tool_agent.py, "
     "slow)",
+    "tracegym train examples/": "trains SmolLM2 for minutes (every example's recipe completes a step on tiny-random: "
+    "tests/e2e/test_example_recipes.py, slow; one learns on SmolLM2: tests/e2e/test_example_learns.py, slow)",
     "bash .ci/run": "the whole test suite",
     "tracegym serve --upstream http://10.0.0.1:30000": "needs two SGLang engines on other hosts (a fleet: "
     "tests/gateway/proxy/upstream/test_fleet.py, tests/e2e/test_fleet_engines.py)",
@@ -191,9 +194,15 @@ def test_pages_describe_the_project_not_its_history(page: str) -> None:
 
 
 def test_the_example_agents_exist() -> None:
-    """Each ``tracegym run examples/...:agent`` names a function its file defines."""
-    targets = [w for argv in all_commands() if argv[:2] == ["tracegym", "run"] for w in argv[2:3]]
-    assert len(targets) >= 6
+    """Each ``tracegym run examples/...:agent`` names a function its file defines, and so does the agent
+    target of each ``tracegym train examples/.../recipe.yaml`` (next to its recipe)."""
+    commands = all_commands()
+    targets = [w for argv in commands if argv[:2] == ["tracegym", "run"] for w in argv[2:3]]
+    recipes = sorted({argv[2] for argv in commands if argv[:2] == ["tracegym", "train"] and len(argv) > 2})
+    for recipe in [r for r in recipes if r.startswith("examples/")]:
+        module, _, func = yaml.safe_load((ROOT / recipe).read_text())["agent"]["target"].partition(":")
+        targets.append(f"{Path(recipe).parent / module}.py:{func}")
+    assert len(targets) >= 9
     for target in targets:
         path, _, func = target.partition(":")
         tree = ast.parse((ROOT / path).read_text())

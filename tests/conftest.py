@@ -12,16 +12,33 @@ import pytest
 from tests.procs import fresh_pg_database, pg_available
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the tests of a module whose fixtures live as
     long as the module (a served engine, a gateway, a model loaded once) run on one worker, which sets them
-    up once instead of once per worker that happens to draw one of its tests; other tests spread freely."""
+    up once instead of once per worker that happens to draw one of its tests; other tests spread freely.
+
+    The scheduler knows a test's group only from a ``@group`` suffix of its node id. A worker's xdist plugin
+    adds it in its own hook from the ``xdist_group`` mark (so this hook goes first), but from pytest 9.2 on
+    a node id is a structured ``NodeId`` and what that plugin writes is no longer read: there the suffix is
+    put on the id's string form here (``_in_group``), and without it every test would be its own group."""
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
             continue
         if any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            if config.getoption("loadgroup", False):  # set on xdist's workers under --dist loadgroup
+                _in_group(item, item.module.__name__)
+
+
+def _in_group(item: pytest.Item, group: str) -> None:
+    """Suffix ``@group`` to a structured node id's string form (pytest >= 9.2), as xdist does to the legacy
+    string node id of earlier pytest versions (which it still handles itself)."""
+    node_id = getattr(item, "_id", None)
+    if node_id is None or not hasattr(node_id, "_str_cache") or "@" in item.nodeid.rpartition("]")[2]:
+        return
+    object.__setattr__(node_id, "_str_cache", f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")

@@ -11,12 +11,17 @@ import pytest
 
 from tests.procs import fresh_pg_database, pg_available
 
+SHARED_BY_ONE_WORKER = frozenset({"service"})
+"""Session-scoped fixtures that start a costly process (tests/trainer/service: ``tracegym tinker-serve``),
+whose tests, in whichever module, run on one worker that starts it once."""
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the tests of a module whose fixtures live as
     long as the module (a served engine, a gateway, a model loaded once) run on one worker, which sets them
-    up once instead of once per worker that happens to draw one of its tests; other tests spread freely.
+    up once instead of once per worker that happens to draw one of its tests, and so do the tests of a
+    fixture in ``SHARED_BY_ONE_WORKER``; other tests spread freely.
 
     The scheduler knows a test's group only from a ``@group`` suffix of its node id. A worker's xdist plugin
     adds it in its own hook from the ``xdist_group`` mark (so this hook goes first), but from pytest 9.2 on
@@ -26,10 +31,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
             continue
-        if any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-            if config.getoption("loadgroup", False):  # set on xdist's workers under --dist loadgroup
-                _in_group(item, item.module.__name__)
+        shared = sorted(SHARED_BY_ONE_WORKER.intersection(info.names_closure))
+        if shared:
+            group = shared[0]
+        elif any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
+            group = item.module.__name__
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+        if config.getoption("loadgroup", False):  # set on xdist's workers under --dist loadgroup
+            _in_group(item, group)
 
 
 def _in_group(item: pytest.Item, group: str) -> None:

@@ -103,6 +103,7 @@ class _Choice:
     text: str  # the output ids decoded
     stop_text: str | None  # text of the final token when it is a stop token
     bare_text: str | None  # ``text`` after its reasoning block (None: it has none)
+    written: tuple[str, str] | None  # how the template writes it back, and its end token (Family.written_back)
 
     def matches(self, key: MsgKey) -> bool:
         return self.reply == key or self.bare == key
@@ -322,6 +323,15 @@ class PrefixCache:
                     if tail[: len(head)] == head:
                         return reused + tail[len(head) :], "clean"
             return reused + self.tok.encode(text[end:]), "realigned"
+        if same_head and choice.written is not None:
+            # the family knows how the template writes this reply back (harmony: a final answer without its
+            # analysis, <|end|> for <|return|>): found where the reply was, what follows is the new part
+            written, end_token = choice.written
+            at = length + len(written)
+            if text.startswith(written, length) and text.startswith(end_token, at):
+                if choice.stop_text and text.startswith(choice.stop_text, at):
+                    at += len(choice.stop_text)  # the sampled stop token is the template's end of turn
+                return reused + self.tok.encode(text[at:]), "realigned"
         # The reply re-renders differently: continue after the re-rendered parent conversation, or after a
         # probe standing for the reply. Where both apply they find the same new part (tested on every
         # family's corpus); whichever worked last is tried first, as a family's template makes one of them
@@ -398,11 +408,13 @@ class PrefixCache:
 
     def _choice(self, output_ids: list[int], message: dict[str, Any], eos: set[int]) -> _Choice:
         text = self.tok.decode(output_ids)
-        reasoning, rest = self.tok.family.split_reasoning(text, False)
+        family = self.tok.family
+        reasoning, rest = family.split_reasoning(text, False)
         return _Choice(
             as_token_ids(output_ids), message_key(message), bare_key(message), text,
             self.tok.decode(output_ids[-1:]) if output_ids and output_ids[-1] in eos else None,
             rest if reasoning is not None and rest != text else None,
+            family.written_back(text) if family.written_back is not None else None,
         )
 
     # ---- state
@@ -479,18 +491,6 @@ class PrefixCache:
         eos = set(self.tok.eos_token_ids)
         choices = [self._choice(ch.output_ids, ch.message, eos) for ch in record.choices
                    if ch.output_ids is not None and ch.message is not None]
-        state.add(
-            _Call(
-                record.call_id,
-                ctx,
-                keys,
-                as_token_ids(record.prompt_ids),
-                len(text),
-                hash(text),
-                clean,
-                split_at,
-                tail_len,
-                choices,
-            )
-        )
+        state.add(_Call(record.call_id, ctx, keys, as_token_ids(record.prompt_ids), len(text), hash(text), clean,
+                        split_at, tail_len, choices))
         return True

@@ -11,7 +11,9 @@ the family of a model directory once (``families.detect``) and dispatches throug
 - ``stop_tokens``, ``keep_tokens``: how a reply ends, and the special tokens its decoded text keeps;
 - ``framed_replies``: every reply is read by the tool reader, which also gives the content (harmony);
 - ``history_rewrites``: what its template drops or rewrites in earlier turns (so prefix reuse reports
-  ``realigned`` there instead of drifting silently), written for people (docs/model-families.md).
+  ``realigned`` there instead of drifting silently), written for people (docs/model-families.md);
+- ``written_back``: how its template writes a reply back where it knows that rewrite (prefix reuse
+  then needs no second render to find where the new turns start).
 """
 
 from __future__ import annotations
@@ -71,6 +73,13 @@ class Family:
     tool and stays in the content as written; no parse status is recorded then)."""
     prepare: Prepare | None = None
     """None: ``templating.prepare_messages``."""
+    written_back: Callable[[str], tuple[str, str] | None] | None = None
+    """``(a reply's text as sampled)`` → ``(the text the template writes for it once later turns follow, from
+    where the reply's prompt ended to where its end-of-turn token starts; that token)`` for a reply the
+    template rewrites in a way the family knows (harmony: a final answer's analysis dropped, its
+    ``<|return|>`` written as ``<|end|>``), else None. Prefix reuse finds that text in the re-render where the
+    reply was and appends what follows it, instead of rendering the conversation a second time to find it
+    (the same new part: tested on the family's corpus). None: the family has no such rewrite."""
     split_reasoning: Callable[[str, bool], tuple[str | None, str]] = _split_think
     parse_tools: Callable[[str, Collection[str] | None], ToolParse] = parse_tools
     stream_tools: Callable[[Collection[str] | None], StreamTools] = StreamingToolParser

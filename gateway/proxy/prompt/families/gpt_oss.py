@@ -66,6 +66,29 @@ def parse_tools(text: str, names: Collection[str] | None = None) -> ToolParse:
     return parse_whole(HarmonyTools(names), text)
 
 
+_MARKERS = (START, CHANNEL, MESSAGE, END, CALL, RETURN, CONSTRAIN)
+_ASSISTANT = f"{START}assistant"
+
+
+def written_back(text: str) -> tuple[str, str] | None:
+    """The last message of a reply that ends in a final answer (``<|return|>``) or a call (``<|call|>``) as
+    the template writes it back once later turns follow, when it drops the analysis before it (always for a
+    final answer; for a call, when the analysis is empty): continuing the prompt's ``<|start|>assistant``, up
+    to its end token (``<|end|>`` in place of ``<|return|>``; ``<|call|>``). None for other replies. Prefix
+    reuse uses it only where the re-render has exactly this text, then that token, where the reply was."""
+    end = END if text.endswith(RETURN) else CALL if text.endswith(CALL) else None
+    if end is None:
+        return None
+    at = text.rfind(START)
+    if at >= 0 and not text.startswith(_ASSISTANT, at):
+        return None
+    last = text[at + len(_ASSISTANT) if at >= 0 else 0 : -len(RETURN if end == END else CALL)]
+    head, sep, body = last.partition(MESSAGE)
+    if not sep or any(m in body for m in _MARKERS) or (end == END and head != f"{CHANNEL}final"):
+        return None
+    return last, end
+
+
 def prepare(messages: list[dict[str, Any]], **kwargs: Any) -> tuple[list[dict[str, Any]], list | None]:
     from tracegym.gateway.proxy.prompt.templating import prepare_messages
 
@@ -133,6 +156,7 @@ FAMILY = Family(
     keep_tokens=KEEP_TOKENS,
     framed_replies=True,
     prepare=prepare,
+    written_back=written_back,
     split_reasoning=split_reasoning,
     parse_tools=parse_tools,
     stream_tools=HarmonyTools,

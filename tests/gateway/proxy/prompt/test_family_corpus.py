@@ -140,10 +140,11 @@ def test_rollouts_keep_the_sampled_ids(family: tuple[str, Path]) -> None:
 
 def test_the_ways_to_realign_a_reply_plan_the_same(family: tuple[str, Path]) -> None:
     """A reply that re-renders differently is realigned after its text without the reasoning when the
-    re-render has that where the reply was (Qwen3), else by whichever of a probe standing for the reply and
-    the parent conversation re-rendered worked last: over corpus rollouts, a cache that only ever tries the
-    probe first, one that only ever tries the parent render first (both without the reasoning shortcut) and
-    the gateway's plan every call alike."""
+    re-render has that where the reply was (Qwen3), or after the text its family says the template writes
+    back for it (gpt-oss's final answers, and its calls whose analysis was empty), else by whichever of a
+    probe standing for the reply and the parent conversation re-rendered worked last: over corpus rollouts, a
+    cache that only ever tries the probe first, one that only ever tries the parent render first (both
+    without those shortcuts) and the gateway's plan every call alike."""
     from benchmarks.drift import play
     from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
 
@@ -162,7 +163,7 @@ def test_the_ways_to_realign_a_reply_plan_the_same(family: tuple[str, Path]) -> 
 
         def _choice(self, *args: Any) -> Any:
             choice = super()._choice(*args)
-            choice.bare_text = None
+            choice.bare_text = choice.written = None
             return choice
 
     name, d = family

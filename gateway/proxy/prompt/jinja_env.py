@@ -9,16 +9,19 @@ change what it renders:
   and subscribes), a ``namespace()``'s attribute, and the methods of ``dict``/``list``/``str`` and loop
   attributes, whose safety depends only on the value's type and the name (decided once per pair by the
   sandbox's own ``is_safe_attribute``). ``str.format`` and anything else goes the sandbox's way.
-- Calls of builtin methods of plain values (``content.split(...)``) skip the callable checks the sandbox
-  and the context make for other objects (builtin methods are never marked unsafe nor take a context).
+- Calls of builtin methods of plain values (``content.split(...)``), of the globals set here
+  (``namespace``, ``raise_exception``, ``strftime_now``) and of macros skip the callable checks the sandbox
+  and the context make for other objects (none of these is marked unsafe; a macro takes the eval context,
+  the others no context), making the call the context would make.
 - Pure macros are memoized: a macro defined at the template's top level whose body reads only its
   arguments, names it sets itself and other pure macros (and ``range``, ``namespace``, ``raise_exception``,
   ``dict``), and changes no namespace it did not make, renders the same text for the same arguments, so
   its text is kept per argument values (compared exactly: types, float spellings and key order included;
   arguments that are not plain JSON-like values are not memoized). gpt-oss's template renders every tool
   signature through such macros on every call.
-- ``tojson`` with an ``indent`` (Python's pure-Python encoder; Llama 3.1's template writes each tool so) is
-  memoized the same way.
+- ``tojson`` of a dict or a list is memoized the same way (Qwen3's template writes every tool schema through
+  it on every render, Llama 3.1's with an ``indent``, which takes Python's pure-Python encoder); a string or
+  a number is encoded each time.
 """
 
 from __future__ import annotations
@@ -292,31 +295,35 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
         return super().getattr(obj, attribute)
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
-        if (type(__obj) is types.BuiltinMethodType and type(__obj.__self__) in _PLAIN_SELF
-                and __obj.__name__ not in ("format", "format_map")):
-            kwargs.pop("_block_vars", None)
-            kwargs.pop("_loop_vars", None)
-            try:
-                return __obj(*args, **kwargs)
-            except StopIteration:
-                return __context.environment.undefined(
-                    "value was undefined because a callable raised a StopIteration exception")
-        return super().call(__context, __obj, *args, **kwargs)
+        t = type(__obj)
+        if t is Macro or t is MemoMacro:  # what the context does: its ``__call__`` takes the eval context
+            args = (__context.eval_ctx, *args)
+        elif not (__obj is TemplateNamespace or __obj is _raise_exception or __obj is _strftime_now or (
+                t is types.BuiltinMethodType and type(__obj.__self__) in _PLAIN_SELF
+                and __obj.__name__ not in ("format", "format_map"))):
+            return super().call(__context, __obj, *args, **kwargs)
+        kwargs.pop("_block_vars", None)
+        kwargs.pop("_loop_vars", None)
+        try:
+            return __obj(*args, **kwargs)
+        except StopIteration:
+            return __context.environment.undefined(
+                "value was undefined because a callable raised a StopIteration exception")
 
     def tojson(self, x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
                sort_keys: bool = False) -> str:
-        if indent is None:  # the C encoder: memoizing would cost more than it saves
-            if not ensure_ascii and separators is None and not sort_keys:
-                return self._encode(x)  # what json.dumps does, without making an encoder per call
-            return _tojson(x, ensure_ascii, indent, separators, sort_keys)
+        plain = indent is None and not ensure_ascii and separators is None and not sort_keys
+        if indent is None and type(x) is not dict and type(x) is not list:  # encoding costs less than a key
+            return self._encode(x) if plain else _tojson(x, ensure_ascii, indent, separators, sort_keys)
         try:
             key = ("tojson", memo_key(x), ensure_ascii, memo_key(indent), memo_key(separators), sort_keys)
         except _Unkeyable:
-            return _tojson(x, ensure_ascii, indent, separators, sort_keys)
-        text = self.memo.get(key)
-        if text is None:
-            text = _tojson(x, ensure_ascii, indent, separators, sort_keys)
-            self.memo.put(key, text, len(text))
+            key = None
+        text = self.memo.get(key) if key is not None else None
+        if text is None:  # (``_encode``: what json.dumps does, without making an encoder per call)
+            text = self._encode(x) if plain else _tojson(x, ensure_ascii, indent, separators, sort_keys)
+            if key is not None:
+                self.memo.put(key, text, len(text))
         return text
 
 

@@ -106,3 +106,46 @@ def test_the_sandbox_still_refuses() -> None:
     ok = compile_template("{{ messages[0].role }}{{ messages[0].nope }}{{ messages[0].items()|list|length }}"
                           "{% for m in messages %}{{ loop.index }}{{ m.content.upper() }}{% endfor %}")
     assert ok.render(messages=msgs) == "user21X"
+
+
+def test_calls_made_without_the_sandbox_checks_render_as_the_sandbox_does() -> None:
+    """Macros (memoized or not, with defaults, varargs, kwargs, a caller, inside loops), ``namespace()``,
+    ``raise_exception`` and ``strftime_now`` are called as the context would call them: the same text, the
+    same errors."""
+    source = """\
+{%- macro pure(a, b=2) %}{{ a }}-{{ b }}{% endmacro -%}
+{%- macro reads(a) %}{{ a }}{{ suffix }}{{ varargs|length }}{{ kwargs|length }}{% endmacro -%}
+{%- macro wrap() %}[{{ caller(1) }}]{% endmacro -%}
+{%- for m in messages %}{% set ns = namespace(n=loop.index) %}{{ pure(m.content) }}|{{ pure(m.content, b=ns.n) }}|\
+{{ reads(m.content, 1, 2, k=3) }}|{% call(x) wrap() %}{{ x }}{{ m.content }}{% endcall %};{% endfor -%}
+{{ strftime_now("%Y") }}"""
+    msgs = [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]
+    fast, ref = compile_template(source), _reference(source)
+    for _ in range(2):  # the second render meets the memos
+        assert fast.render(messages=msgs, suffix="!") == ref.render(messages=msgs, suffix="!")
+    for failing in ("{{ raise_exception('no ' + messages[0].content) }}",
+                    "{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, 2) }}",
+                    "{% macro m(a) %}{{ a }}{% endmacro %}{{ m(b=1) }}",
+                    "{{ namespace(1, 2) }}", "{{ strftime_now() }}"):
+        errors = []
+        for template in (compile_template(failing), _reference(failing)):
+            with pytest.raises(Exception) as caught:
+                template.render(messages=msgs)
+            errors.append((type(caught.value), str(caught.value)))
+        assert errors[0] == errors[1], failing
+
+
+def test_tojson_memo_writes_what_json_dumps_writes() -> None:
+    """``tojson`` of dicts and lists is memoized: values that differ only in type, float bits or key order
+    keep their own texts, on the first render and on the memo's hits."""
+    import json
+
+    t = compile_template("{{ x|tojson }}|{{ x|tojson(indent=2) }}|{{ x|tojson(sort_keys=true) }}")
+    values = [{"a": 1}, {"a": 1.0}, {"a": True}, {"a": -0.0}, {"a": 0.0}, {"a": float("nan")}, {"b": 1, "a": 2},
+              {"a": 2, "b": 1}, [1, "é"], ["1"], [], {}, "s", 1]
+    for _ in range(2):
+        for x in values:
+            expected = [json.dumps(x, ensure_ascii=False), json.dumps(x, ensure_ascii=False, indent=2),
+                        json.dumps(x, ensure_ascii=False, sort_keys=True)]
+            assert t.render(x=x) == "|".join(expected), x
+    assert t.environment.memo.hits >= 3 * 12

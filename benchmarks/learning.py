@@ -24,7 +24,11 @@ Time to the target: the sum of step times up to the first evaluation at or above
 issue's target is ≤ 1.3. The sides run one after the other (a side alone on the two cores); noise on a
 shared machine hits whichever runs then, so compare per-step medians as well as totals. Training time is
 also given per 1,000 tokens of the sequences trained: a step trains only the groups whose rewards differ,
-so the two sides' steps train different amounts."""
+so the two sides' steps train different amounts; and in CPU seconds of the training process per 1,000
+tokens (the bare loop's ``process_time``, the product's ``worker_cpu_s``: the ``tracegym train`` process
+with its in-process worker), steadier than wall time on a shared machine. Each side's trained batch shape
+(rows, micro-batches, padded against real tokens) and the 1-minute load as it began and ended are
+recorded with it."""
 
 from __future__ import annotations
 
@@ -138,12 +142,13 @@ class Bare:
         return [last_number_reward(self.tok.decode(c, skip_special_tokens=True), a)
                 for c, a in zip(completions, answers, strict=True)]
 
-    def train(self, prompts: list[list[int]], completions: list[list[int]], adv: list[float]) -> tuple[int, int]:
-        """One update on the sequences with a non-zero advantage; (tokens of those sequences, loss tokens)."""
+    def train(self, prompts: list[list[int]], completions: list[list[int]], adv: list[float]) -> dict[str, float]:
+        """One update on the sequences with a non-zero advantage: their tokens, loss tokens, rows and padded
+        tokens (rows x the longest row: one forward, so one micro-batch)."""
         torch = self.torch
         keep = [i for i, a in enumerate(adv) if a != 0.0 and completions[i]]
         if not keep:
-            return 0, 0
+            return dict.fromkeys(("tokens", "loss_tokens", "sequences", "padded_tokens", "micro_batches"), 0.0)
         seqs = [prompts[i] + completions[i] for i in keep]
         width = max(len(s) for s in seqs)
         k = max(len(completions[i]) for i in keep) + 1
@@ -164,7 +169,8 @@ class Bare:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
-        return sum(len(q) for q in seqs), int(cmask.sum().item())
+        return {"tokens": sum(len(q) for q in seqs), "loss_tokens": int(cmask.sum().item()), "sequences": len(seqs),
+                "padded_tokens": len(seqs) * width, "micro_batches": 1.0}
 
     def evaluate(self, tasks: list[dict[str, Any]]) -> float:
         prompts = [self.prompt_ids(t["question"]) for t in tasks for _ in range(EVAL_SAMPLES)]
@@ -212,14 +218,14 @@ def run_bare(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         completions = bare.sample(prompts)
         rewards = bare.rewards(completions, answers)
         gen_s = time.monotonic() - tg
-        tt = time.monotonic()
-        tokens, loss_tokens = bare.train(prompts, completions, grpo(rewards))
-        train_s = time.monotonic() - tt
+        tt, ct = time.monotonic(), time.process_time()
+        shape = bare.train(prompts, completions, grpo(rewards))
+        train_s, cpu_s = time.monotonic() - tt, time.process_time() - ct
         steps.append({"step": step, "gen_s": gen_s, "train_s": train_s, "swap_s": 0.0,
-                      "step_s": gen_s + train_s, "reward": statistics.fmean(rewards), "tokens": tokens,
-                      "loss_tokens": loss_tokens})
-        print(f"  bare step {step}: gen {gen_s:.1f} s, train {train_s:.1f} s ({tokens} tokens), "
-              f"reward {steps[-1]['reward']:.2f}", flush=True)
+                      "step_s": gen_s + train_s, "reward": statistics.fmean(rewards), "cpu_s": cpu_s, **shape})
+        print(f"  bare step {step}: gen {gen_s:.1f} s, train {train_s:.1f} s, {cpu_s:.1f} CPU s "
+              f"({shape['tokens']:.0f} tokens, {shape['sequences']:.0f} x {shape['padded_tokens'] / max(shape['sequences'], 1):.0f}"
+              f" padded), reward {steps[-1]['reward']:.2f}", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             evaluate(step)
     return {"startup_s": startup, "steps": steps, "evals": evals, "bf16": bare.bf16}
@@ -250,9 +256,13 @@ def run_product(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"tracegym train failed ({proc.returncode}):\n" + (work / "train.log").read_text()[-4000:])
         [metrics] = {m.resolve() for m in work.glob("runs/*/*/metrics.jsonl")}  # runs/<name>/latest links too
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        keys = ("gen_s", "train_s", "swap_s", "step_s", "tokens", "loss_tokens")
+        keys = ("gen_s", "train_s", "swap_s", "step_s", "tokens", "loss_tokens", "sequences", "padded_tokens",
+                "micro_batches")
+        # cpu_s: the trainer process's CPU time in its step (an in-process worker: the whole `tracegym train`
+        # process, so it counts as the bare loop's process_time does)
         steps = [{"step": r["step"], **{k: float(r.get(k, 0.0)) for k in keys},
-                  "reward": float(r.get("reward_mean", 0.0))} for r in rows if r["kind"] == "train"]
+                  "cpu_s": float(r.get("worker_cpu_s", 0.0)), "reward": float(r.get("reward_mean", 0.0))}
+                 for r in rows if r["kind"] == "train"]
         evals = [{"step": r["step"], "reward": float(r["reward_mean"]), "eval_s": float(r["eval_s"])}
                  for r in rows if r["kind"] == "eval"]
         first = min(rows, key=lambda r: r["time"])  # the evaluation before step 1
@@ -276,20 +286,28 @@ def time_to(side: dict[str, Any], target: float) -> float | None:
     return None
 
 
-def train_s_per_1k_tokens(steps: list[dict[str, Any]]) -> float | None:
-    """Training seconds per 1,000 tokens of the sequences trained, over all steps that trained. The sides
-    train different numbers of sequences per step (only groups whose rewards differ carry a signal, and
-    that depends on what each side sampled), so their median training step times alone do not compare."""
+def train_s_per_1k_tokens(steps: list[dict[str, Any]], key: str = "train_s") -> float | None:
+    """Training seconds (``key``: wall ``train_s``, or the training process's CPU ``cpu_s``) per 1,000 tokens
+    of the sequences trained, over all steps that trained. The sides train different numbers of sequences
+    per step (only groups whose rewards differ carry a signal, and that depends on what each side
+    sampled), so their median training step times alone do not compare. CPU seconds are steadier than wall
+    seconds when other work shares the machine."""
     tokens = sum(s.get("tokens", 0.0) for s in steps)
-    return 1000 * sum(s["train_s"] for s in steps if s.get("tokens", 0.0) > 0) / tokens if tokens else None
+    return 1000 * sum(s.get(key, 0.0) for s in steps if s.get("tokens", 0.0) > 0) / tokens if tokens else None
 
 
 def summary(name: str, side: dict[str, Any], target: float) -> dict[str, Any]:
     steps = side["steps"]
+    trained = [s for s in steps if s.get("tokens", 0.0) > 0]
     med = {k: statistics.median(s[k] for s in steps) for k in ("gen_s", "train_s", "swap_s", "step_s")}
     return {"side": name, **{f"median_{k}": v for k, v in med.items()}, "steps": len(steps),
             "train_s_per_1k_tokens": train_s_per_1k_tokens(steps),
+            "cpu_s_per_1k_tokens": train_s_per_1k_tokens(steps, "cpu_s"),
             "tokens_per_step": statistics.fmean(s.get("tokens", 0.0) for s in steps),
+            "padding": (sum(s.get("padded_tokens", 0.0) for s in steps) / max(sum(s.get("tokens", 0.0) for s in steps), 1)),
+            "rows_per_step": statistics.fmean(s.get("sequences", 0.0) for s in trained) if trained else 0.0,
+            "micro_batches_per_step": statistics.fmean(s.get("micro_batches", 0.0) for s in trained) if trained else 0.0,
+            "load": side.get("load"),
             "startup_s": side["startup_s"], "eval_s": sum(e["eval_s"] for e in side["evals"]),
             "held_out": [(e["step"], round(e["reward"], 3)) for e in side["evals"]],
             "time_to_target_s": time_to(side, target)}
@@ -320,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.only in (None, name):
             print(f"== {name}{' (LoRA)' if args.lora else ''}: {args.steps} steps, held-out every "
                   f"{args.eval_every}", flush=True)
+            load0 = os.getloadavg()[0]
             sides[name] = run_bare(model_dir, args) if name == "bare" else run_product(args)
+            sides[name]["load"] = (round(load0, 1), round(os.getloadavg()[0], 1))  # 1-min load as it began, ended
             if args.out:  # each side as it ends: a failure in the next one keeps this one's rows
                 args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "sides": sides},
                                                indent=1, default=str))
@@ -342,6 +362,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"product / bare, training seconds per 1,000 tokens trained: "
                   f"{q['train_s_per_1k_tokens'] / b['train_s_per_1k_tokens']:.2f}x "
                   f"({q['tokens_per_step']:.0f} vs {b['tokens_per_step']:.0f} tokens per step)")
+        if b["cpu_s_per_1k_tokens"] and q["cpu_s_per_1k_tokens"]:
+            print(f"product / bare, training CPU seconds per 1,000 tokens trained: "
+                  f"{q['cpu_s_per_1k_tokens'] / b['cpu_s_per_1k_tokens']:.2f}x "
+                  f"({q['cpu_s_per_1k_tokens']:.2f} vs {b['cpu_s_per_1k_tokens']:.2f})")
+        print(f"trained batch shape, product vs bare: {q['rows_per_step']:.1f} vs {b['rows_per_step']:.1f} rows, "
+              f"{q['micro_batches_per_step']:.1f} vs {b['micro_batches_per_step']:.1f} micro-batches per step; "
+              f"padded / real tokens {q['padding']:.2f} vs {b['padding']:.2f}; load {q['load']} vs {b['load']}")
         if b["time_to_target_s"] and q["time_to_target_s"]:
             print(f"product / bare, time to held-out {args.target}: "
                   f"{q['time_to_target_s'] / b['time_to_target_s']:.2f}x (target <= 1.3)")

@@ -296,6 +296,8 @@ def combine_metrics(per_rank: list[dict[str, float]], wall_s: float, world_size:
         "lr": per_rank[0]["lr"],
         "tokens": total["tokens"],
         "loss_tokens": total["loss_tokens"],
+        "padded_tokens": total.get("padded_tokens", 0.0),
+        "micro_batches": total.get("micro_batches", 0.0),
         "tokens_per_s": total["tokens"] / wall_s if wall_s > 0 else 0.0,
         "step_time": wall_s,
         "worker_cpu_s": max(r["cpu_s"] for r in per_rank),

@@ -170,7 +170,8 @@ class TrainWorker:
         lr = set_lr(self.optimizer, self.step, self.cfg.optim, self.cfg.total_steps)
         self.optimizer.zero_grad(set_to_none=True)
         sums = dict.fromkeys(
-            ("loss", "tokens", "loss_tokens", "mismatch", "entropy", "entropy_tokens", "nll"), 0.0
+            ("loss", "tokens", "padded_tokens", "micro_batches", "loss_tokens", "mismatch", "entropy",
+             "entropy_tokens", "nll"), 0.0
         )
         batches = micro + [[] for _ in range(n_micro - len(micro))]
         for i, samples in enumerate(batches):
@@ -188,6 +189,9 @@ class TrainWorker:
                 self._entropy_into(sums, logits, m)
             sums["loss"] += float(loss.detach())
             sums["tokens"] += mb.num_tokens
+            if mb.num_tokens:  # not the dummy of a rank with fewer micro-batches
+                sums["padded_tokens"] += mb.input_ids.numel()  # rows x the longest row: what the forward ran
+                sums["micro_batches"] += 1
             add_loss_metrics(sums, metrics)
         grad_norm = float(
             full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip))

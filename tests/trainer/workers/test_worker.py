@@ -103,6 +103,25 @@ def test_a_step_changes_weights_identically_on_both_ranks_and_matches_one_worker
     assert (d1 - d2).norm() / d1.norm() < 1e-2
 
 
+def test_a_step_reports_its_padded_shape(tiny_model_dir: Path) -> None:
+    """``padded_tokens``: rows x the longest row of each micro-batch, summed (what the forwards ran, pads
+    included); ``micro_batches``: how many ran. Both from the step's own plan."""
+    from tracegym.trainer.workers.batches import plan_step
+
+    batch = fixed_batch()
+    lengths = [len(s.token_ids) for s in batch.samples]
+    [plan], n_micro = plan_step(lengths, 1, CFG.optim.micro_batch_tokens)
+    one = WorkerGroup(tiny_model_dir, num_workers=1, train_cfg=CFG, use_ray=False)
+    try:
+        m = one.train_step(batch)
+    finally:
+        one.shutdown()
+    assert n_micro > 1  # the budget splits this batch, so the sum is over several micro-batches
+    assert m["micro_batches"] == n_micro
+    assert m["padded_tokens"] == sum(len(mb) * max(lengths[i] for i in mb) for mb in plan)
+    assert m["padded_tokens"] > m["tokens"] == batch.num_tokens
+
+
 @pytest.mark.slow
 def test_loss_falls_on_a_fixed_batch(group: tuple[WorkerGroup, Path]) -> None:
     """With every advantage +1 the policy-gradient objective is the sampled tokens' NLL (the PPO loss

@@ -19,8 +19,10 @@ CONVERSATIONS = 200
 NAMES = [t["function"]["name"] for t in corpus.TOOLS]
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(params=list(MODELS))
 def family(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    """A family's name and its tiny model (prepared once per machine, found again in microseconds): not
+    module-scoped, so that its 36 tests spread over the workers of ``pytest -n``."""
     from tracegym.modelfiles.prepare import prepare_model
 
     return request.param, prepare_model(MODELS[request.param])

@@ -143,35 +143,31 @@ def delete_checkpoint(state: ServiceState, model_id: str, checkpoint_id: str) ->
         raise ValueError(f"checkpoint_id {checkpoint_id!r} is not weights/NAME or sampler_weights/VERSION")
 
 
+def _page(name: str, items: list[Any], limit: int, offset: int) -> dict[str, Any]:
+    """One page of a listing, newest first, with the SDK's cursor (``offset``, ``limit``, ``total_count``)."""
+    if limit < 0 or offset < 0:
+        raise HttpError(400, "limit and offset must be >= 0")
+    return {name: items[offset : offset + limit],
+            "cursor": {"offset": offset, "limit": limit, "total_count": len(items)}}  # fmt: skip
+
+
 def add_rest_routes(app: FastAPI, svc: Callable[[Request], ServiceState]) -> None:
     @app.get("/api/v1/training_runs")
     async def list_training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict[str, Any]:
         state = svc(request)
         access = Access(state, request)
-        if limit < 0 or offset < 0:
-            raise HttpError(400, "limit and offset must be >= 0")
-        runs = sorted(
+        runs = [training_run(r) for r in sorted(
             (r for r in catalog(state).values() if _visible(access, r.model_id)),
-            key=lambda r: r.last_request,
-            reverse=True,
-        )
-        return {
-            "training_runs": [training_run(r) for r in runs[offset : offset + limit]],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
-        }
+            key=lambda r: r.last_request, reverse=True)]  # fmt: skip
+        return _page("training_runs", runs, limit, offset)
 
     @app.get("/api/v1/checkpoints")
     async def list_user_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict[str, Any]:
         state = svc(request)
         access = Access(state, request)
-        if limit < 0 or offset < 0:
-            raise HttpError(400, "limit and offset must be >= 0")
         every = [c for r in catalog(state).values() if _visible(access, r.model_id) for c in r.checkpoints]
         every.sort(key=lambda c: c["time"], reverse=True)
-        return {
-            "checkpoints": every[offset : offset + limit],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(every)},
-        }
+        return _page("checkpoints", every, limit, offset)
 
     @app.get("/api/v1/training_runs/{model_id}")
     async def get_training_run(model_id: str, request: Request) -> dict[str, Any]:

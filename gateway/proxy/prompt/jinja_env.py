@@ -18,7 +18,7 @@ change what it renders:
   ``dict``), and changes no namespace it did not make, renders the same text for the same arguments, so
   its text is kept per argument values (compared exactly: types, float spellings and key order included;
   arguments that are not plain JSON-like values are not memoized). gpt-oss's template renders every tool
-  signature through such macros on every call.
+  signature through such macros on every render.
 - ``tojson`` of a dict or a list is memoized the same way (Qwen3's template writes every tool schema through
   it on every render, Llama 3.1's with an ``indent``, which takes Python's pure-Python encoder); a string or
   a number is encoded each time.

@@ -263,6 +263,9 @@ class ChatTokenizer:
                        else detect(sources, {t.content for t in added.values()}, where=name_or_path or "the tokenizer"))
         """The model family (``families``): how messages are prepared and replies parsed."""
         self._keep_ids = {i for i, tok in added.items() if tok.content in self.family.keep_tokens}
+        make = self.family.renderer
+        self._renderers = {name: make(src) if make is not None else None for name, src in templates.items()}
+        """Per template: the family's renderer of it in Python (``Family.renderer``), or None."""
         self.template_split_tokens = {t: i for t, i in self.split_tokens.items() if t in sources}
         """The split tokens the chat templates write (where rendered text is cut for piecewise encoding)."""
         self._encoder = SegmentEncoder(tokenizer, self.template_split_tokens)
@@ -380,7 +383,11 @@ class ChatTokenizer:
             reasoning_field=self._reasoning_field[name],
         )
         context = {**self.special_tokens, **kwargs}
+        renderer = self._renderers[name]
         try:
+            if renderer is not None and (text := renderer.render(msgs, visible_tools, add_generation_prompt,
+                                                                 context)) is not None:
+                return text
             return self._compiled[name].render(
                 messages=msgs,
                 tools=visible_tools,

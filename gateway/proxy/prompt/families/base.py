@@ -13,7 +13,9 @@ the family of a model directory once (``families.detect``) and dispatches throug
 - ``history_rewrites``: what its template drops or rewrites in earlier turns (so prefix reuse reports
   ``realigned`` there instead of drifting silently), written for people (docs/model-families.md);
 - ``written_back``: how its template writes a reply back where it knows that rewrite (prefix reuse
-  then needs no second render to find where the new turns start).
+  then needs no second render to find where the new turns start);
+- ``renderer``: its official template written in Python, for that template's exact source (the tests prove
+  the two render alike).
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ class StreamTools(Protocol):
 
     @property
     def status(self) -> str: ...
+
+
+class Renderer(Protocol):
+    """A chat template written in Python (``Family.renderer``)."""
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               add_generation_prompt: bool, context: dict[str, Any]) -> str | None:
+        """The template's text for the prepared ``messages`` and ``tools`` and the template variables
+        ``context``, or None for inputs it leaves to the template (which then renders them, or raises)."""
+        ...
 
 
 Prepare = Callable[..., tuple[list[dict[str, Any]], list[dict[str, Any]] | None]]
@@ -80,6 +92,10 @@ class Family:
     ``<|return|>`` written as ``<|end|>``), else None. Prefix reuse finds that text in the re-render where the
     reply was and appends what follows it, instead of rendering the conversation a second time to find it
     (the same new part: tested on the family's corpus). None: the family has no such rewrite."""
+    renderer: Callable[[str], Renderer | None] | None = None
+    """``(a chat template's source)`` → a renderer of it written in Python, for the template sources it was
+    proven equal to (else None, as is the field for families without one: the template renders itself).
+    Each tokenizer builds its own (a renderer keeps memos)."""
     split_reasoning: Callable[[str, bool], tuple[str | None, str]] = _split_think
     parse_tools: Callable[[str, Collection[str] | None], ToolParse] = parse_tools
     stream_tools: Callable[[Collection[str] | None], StreamTools] = StreamingToolParser
@@ -106,9 +122,14 @@ def parse_whole(parser: StreamTools, text: str) -> ToolParse:
     """A whole reply read by a streaming parser: its content events joined, its calls, its status (so a family
     whose ``parse_tools`` is this streams exactly what it parses)."""
     events = [*parser.feed(text), *parser.finish()] if text else parser.finish()
+    return tool_parse(events, parser.status)
+
+
+def tool_parse(events: list[ToolStreamDelta], status: str) -> ToolParse:
+    """A whole reply's parse from its stream events: the content events joined, the calls, the status."""
     content = "".join(e.text for e in events if e.kind == "content")
     calls = [_openai_call(e.name, e.arguments, e.id) for e in events if e.kind == "tool_call"]
-    return ToolParse(content or None, calls, parser.status)
+    return ToolParse(content or None, calls, status)
 
 
 class BufferedToolParser:

@@ -11,6 +11,10 @@ gpt-oss-20b's) as published in its ``chat_template.jinja``, read from the public
 carry no template, so the ``gptoss-tiny`` builder writes this one as ``chat_template.jinja``, where the
 real checkpoints have it.
 
+The official template renders through ``harmony_render.py``: its head (system and developer messages) by the
+template's own source, kept per what it reads, and its message loop in Python; another template renders
+itself.
+
 Reasoning is the ``thinking`` field of an assistant message (``reasoning_content`` is mapped to it). The
 template drops the analysis of every earlier turn except a tool-calling turn that no final answer follows
 yet, and renders one call per assistant message: a message with several calls is rendered as one message
@@ -20,7 +24,8 @@ without a description is given an empty one (the template cannot render it other
 Replies are decoded with the harmony tokens kept (``keep_tokens``) and read incrementally
 (``harmony.py``): ``split_reasoning``/``stream_reasoning`` take the analysis messages, ``parse_tools``/
 ``stream_tools`` the calls (final and commentary text is the content), so a stream sends reasoning and
-content as they are sampled and each call as its message ends. A reply with no harmony markup at all is
+content as they are sampled and each call as its message ends; a whole reply is read in one pass of each
+(``read``). A reply with no harmony markup at all is
 plain text.
 """
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from tracegym.gateway.proxy.prompt.families.base import Family, parse_whole
+from tracegym.gateway.proxy.prompt.families.base import Family, tool_parse
 from tracegym.gateway.proxy.prompt.families.harmony import (
     CALL,
     CHANNEL,
@@ -40,6 +45,7 @@ from tracegym.gateway.proxy.prompt.families.harmony import (
     HarmonyReasoning,
     HarmonyTools,
 )
+from tracegym.gateway.proxy.prompt.families.harmony_render import harmony_renderer
 from tracegym.gateway.proxy.prompt.reasoning import split_reasoning as split_think
 from tracegym.gateway.proxy.prompt.tools import ToolParse
 
@@ -56,14 +62,15 @@ def split_reasoning(text: str, opens: bool = False) -> tuple[str | None, str]:
     """The analysis messages' text (joined by a newline) and the reply without them, as written
     (``HarmonyReasoning`` over the whole reply)."""
     r = HarmonyReasoning(opens)
-    deltas = [*r.feed(text), *r.finish()]
+    deltas = r.read(text)
     rest = "".join(d.text for d in deltas if d.kind == "text")
     return ("".join(d.text for d in deltas if d.kind == "reasoning") if r.started else None), rest
 
 
 def parse_tools(text: str, names: Collection[str] | None = None) -> ToolParse:
     """The whole reply read by ``HarmonyTools`` (streamed and whole parses agree by construction)."""
-    return parse_whole(HarmonyTools(names), text)
+    parser = HarmonyTools(names)
+    return tool_parse(parser.read(text), parser.status)
 
 
 _MARKERS = (START, CHANNEL, MESSAGE, END, CALL, RETURN, CONSTRAIN)
@@ -157,6 +164,7 @@ FAMILY = Family(
     framed_replies=True,
     prepare=prepare,
     written_back=written_back,
+    renderer=harmony_renderer,
     split_reasoning=split_reasoning,
     parse_tools=parse_tools,
     stream_tools=HarmonyTools,

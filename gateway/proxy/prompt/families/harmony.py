@@ -47,13 +47,8 @@ def recipient(header: str) -> str | None:
 _HEADER_ENDS = (MESSAGE, START)
 _BODY_ENDS = (*STOPS, START)
 _TAIL_ENDS = (START,)
-_FINDERS = {ms: re.compile("|".join(map(re.escape, ms))).search for ms in (_HEADER_ENDS, _BODY_ENDS, _TAIL_ENDS)}
-
-
-def _first(buf: str, markers: tuple[str, ...]) -> tuple[int, str]:
-    """The earliest of ``markers`` (one of the tuples above) in ``buf``: ``(index, marker)``, or ``(-1, "")``."""
-    m = _FINDERS[markers](buf)
-    return (m.start(), m.group()) if m else (-1, "")
+_FIND = {ms: re.compile("|".join(map(re.escape, ms))).search for ms in (_HEADER_ENDS, _BODY_ENDS, _TAIL_ENDS)}
+"""Per tuple of markers above: ``search(text, pos)`` for the earliest of them."""
 
 
 D = TypeVar("D")
@@ -91,6 +86,12 @@ class _Messages(Generic[D]):
             self._not_harmony()
         return self._out
 
+    def read(self, text: str) -> list[D]:
+        """A whole reply, fed and finished in one pass: the deltas ``feed(text)`` and ``finish()`` give, in
+        fewer pieces (``_read`` holds back no partial marker when it reads to the end)."""
+        self._buf += text
+        return self.finish()
+
     def _decided(self) -> bool:
         """Whether the reply is known to be harmony (until then it is held whole)."""
         if not self._markup and (MESSAGE in self._buf or CHANNEL in self._buf):
@@ -98,44 +99,48 @@ class _Messages(Generic[D]):
         return self._markup
 
     def _read(self, final: bool) -> None:
+        """Read ``_buf`` from its start (``at``), and keep what is not read yet: at the end (``final``) nothing,
+        else what may be the start of a marker."""
+        buf, at, end = self._buf, 0, len(self._buf)
         while True:
             if self._state == "header":
-                i, m = _first(self._buf, _HEADER_ENDS)
-                if i < 0:
-                    keep = 0 if final else partial_marker(self._buf, _HEADER_ENDS)
-                    self._header += self._buf[: len(self._buf) - keep]
-                    self._buf = self._buf[len(self._buf) - keep:]
+                m = _FIND[_HEADER_ENDS](buf, at)
+                if m is None:
+                    stop = end if final else end - partial_marker(buf[at:], _HEADER_ENDS)
+                    self._header += buf[at:stop]
+                    self._buf = buf[stop:]
                     if final:
                         self._header_only()
                     return
-                self._header += self._buf[:i]
-                self._buf = self._buf[i + len(m):]
-                if m == START:
+                self._header += buf[at : m.start()]
+                at = m.end()
+                if m.group() == START:
                     self._header_only()
                     self._prefix, self._header = START, ""
                     continue
                 self._opened(self._prefix, self._header, True)
                 self._state = "body"
                 continue
-            markers = _BODY_ENDS if self._state == "body" else _TAIL_ENDS
-            i, m = _first(self._buf, markers)
-            if i < 0:
-                keep = 0 if final else partial_marker(self._buf, markers)
-                text, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-                if self._state == "body":
+            body = self._state == "body"
+            markers = _BODY_ENDS if body else _TAIL_ENDS
+            m = _FIND[markers](buf, at)
+            if m is None:
+                stop = end if final else end - partial_marker(buf[at:], markers)
+                text, self._buf = buf[at:stop], buf[stop:]
+                if body:
                     self._body(text)
                     if final:
                         self._closed("")
                 else:
                     self._tail(text)
                 return
-            text, self._buf = self._buf[:i], self._buf[i + len(m):]
-            if self._state == "body":
+            text, marker, at = buf[at : m.start()], m.group(), m.end()
+            if body:
                 self._body(text)
-                self._closed(m)
+                self._closed(marker)
             else:
                 self._tail(text)
-            if m == START:
+            if marker == START:
                 self._state, self._prefix, self._header = "header", START, ""
             else:
                 self._state = "tail"

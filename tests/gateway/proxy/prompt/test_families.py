@@ -137,3 +137,46 @@ def test_a_whole_reply_parser_streams_through_the_buffered_parser() -> None:
         assert "".join(t for k, t in sent if k == "content") == (whole.content or "")
         assert [t for k, t in sent if k == "tool_call"] == [c["function"]["name"] for c in whole.calls]
         assert parser.status == "ok" and (held > 0) == (not at_start)  # content before the call streamed
+
+
+def test_harmony_readers_read_a_whole_reply_as_they_stream_it() -> None:
+    """``read`` (a whole reply in one pass, what ``split_reasoning`` and ``parse_tools`` use) gives the text the
+    readers stream when fed the same reply in pieces: reasoning, text, content, calls and status alike."""
+    from tracegym.gateway.proxy.prompt.families.harmony import HarmonyReasoning, HarmonyTools
+
+    rng = random.Random(1)
+    replies = [corpus.sampled("gpt_oss", t, c, r) for t in ("", "Sure.", "a<|b") for c in ([], CALLS[:1])
+               for r in (None, "", "π\nso")]
+    replies += ["  ", " plain <think>x</think> y", "<think>why</think>so", "<|channel|>final<|message|>a<|end|>tail"
+                "<|start|>assistant<|channel|>commentary<|message|>b<|return|>", "<|channel|>analysis<|message|>x<|"
+                "start|>", " to=functions.add<|channel|>commentary json<|message|>{\"a\": 1", "<|start|>header only",
+                "<|channel|>weird<|message|>skip<|end|>  <|start|>assistant<|channel|>final<|message|>", "<|message|>",
+                "<|channel|>commentary to=browser.x<|message|>{}<|call|>", "<|channel|>final<|message|>x<|en"]
+
+    def joined(deltas: list, kind: str) -> str:
+        return "".join(d.text or "" for d in deltas if d.kind == kind)
+
+    for text in replies:
+        for opens in (False, True):
+            whole = HarmonyReasoning(opens).read(text)
+            for _ in range(4):
+                r, deltas, at = HarmonyReasoning(opens), [], 0
+                while at < len(text):
+                    step = rng.randint(1, 6)
+                    deltas += r.feed(text[at:at + step])
+                    at += step
+                deltas += r.finish()
+                assert [joined(deltas, k) for k in ("reasoning", "text")] == [
+                    joined(whole, k) for k in ("reasoning", "text")], text
+        reader = HarmonyTools(NAMES)
+        whole = reader.read(text)
+        for _ in range(4):
+            t, events, at = HarmonyTools(NAMES), [], 0
+            while at < len(text):
+                step = rng.randint(1, 6)
+                events += t.feed(text[at:at + step])
+                at += step
+            events += t.finish()
+            assert joined(events, "content") == joined(whole, "content") and t.status == reader.status, text
+            assert [(e.name, e.arguments) for e in events if e.kind == "tool_call"] == [
+                (e.name, e.arguments) for e in whole if e.kind == "tool_call"], text

@@ -39,10 +39,12 @@ def overlap(a: str, b: str) -> bool:
 
 
 def _structurally_segmentable(tokenizer: Tokenizer, split_tokens: Iterable[str]) -> bool:
-    spec = json.loads(tokenizer.to_str())
-    if spec.get("truncation") or spec.get("padding"):
+    """The structural conditions of ``segmentable``, read from the tokenizer's settings and its pre-tokenizer's
+    own state (not the whole serialized tokenizer: a large vocabulary makes that seconds of JSON)."""
+    if tokenizer.truncation or tokenizer.padding:
         return False
-    if '"prepend_scheme": "first"' in json.dumps(spec.get("pre_tokenizer")):
+    pre = tokenizer.pre_tokenizer
+    if pre is not None and '"prepend_scheme": "first"' in json.dumps(json.loads(pre.__getstate__())):
         return False
     splits = set(split_tokens)
     if not splits:

@@ -99,6 +99,18 @@ def test_metaspace_first_is_not_split() -> None:
     assert enc.cache.hits == 1
 
 
+def test_metaspace_first_inside_a_sequence_and_truncation_or_padding_are_not_split(tok: ChatTokenizer) -> None:
+    t, splits = _metaspace_first()
+    t.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.Metaspace(prepend_scheme="first")])
+    assert not segmentable(t, splits)
+    split = {"<|im_end|>": tok.split_tokens["<|im_end|>"]}
+    truncated = Tokenizer.from_str(tok.tokenizer.to_str())
+    truncated.enable_truncation(64)
+    padded = Tokenizer.from_str(tok.tokenizer.to_str())
+    padded.enable_padding()
+    assert not segmentable(truncated, split) and not segmentable(padded, split)
+
+
 def test_overlapping_added_tokens_are_not_split(tok: ChatTokenizer) -> None:
     t = Tokenizer.from_str(tok.tokenizer.to_str())
     t.add_tokens(["end|><x"])  # can overlap the end of <|im_end|>

@@ -32,21 +32,36 @@ def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _forward(model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache):
+def _forward(
+    model: Any, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache, keep: int = 1
+) -> torch.Tensor:
+    """The logits of the last ``keep`` positions, ``[B, keep, V]``."""
     out = model(
         input_ids=ids,
         attention_mask=mask,
         position_ids=pos,
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=keep,
     )
-    return out.logits[:, -1, :]
+    return out.logits
 
 
 def prefill(model: Any, prompts: list[list[int]], device: torch.device) -> tuple[KVBatch, torch.Tensor]:
     """Run the prompts (left-padded) through the model; returns the batch and next-token logits[B, V]."""
+    batch, logits = prefill_keep(model, prompts, device, 1)
+    return batch, logits[:, -1, :]
+
+
+def prefill_keep(
+    model: Any, prompts: list[list[int]], device: torch.device, keep: int
+) -> tuple[KVBatch, torch.Tensor]:
+    """``prefill`` keeping the logits of the last ``keep`` columns, ``[B, keep, V]`` (``[:, -1]`` are the
+    next-token logits). Rows are left-padded: row ``i``'s own positions are its last ``len(prompts[i])``
+    columns, so its logits of prompt positions ``s`` .. the last are ``[i, keep - (len(prompts[i]) - s):]``."""
     width = max(len(p) for p in prompts)
+    if not 1 <= keep <= width:
+        raise ValueError(f"keep={keep} logit columns of a batch {width} tokens wide")
     ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
@@ -55,7 +70,7 @@ def prefill(model: Any, prompts: list[list[int]], device: torch.device) -> tuple
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    logits = _forward(model, ids, mask, pos, cache)
+    logits = _forward(model, ids, mask, pos, cache, keep)
     return KVBatch(cache, mask, pos[:, -1] + 1), logits
 
 
@@ -66,7 +81,7 @@ def decode(model: Any, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
     batch.mask = torch.cat([batch.mask, torch.ones((batch.size, 1), dtype=torch.long, device=device)], dim=1)
     logits = _forward(model, ids, batch.mask, batch.next_pos[:, None], batch.cache)
     batch.next_pos = batch.next_pos + 1
-    return logits
+    return logits[:, -1, :]
 
 
 def _rebuild(kv: list[tuple[torch.Tensor, torch.Tensor]], config: Any) -> DynamicCache:

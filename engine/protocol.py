@@ -35,6 +35,9 @@ class RequestSpec:
     seed: int | None
     lora: str | None = None
     """SGLang's ``lora_path``: the name of a loaded LoRA adapter (``/load_lora_adapter``); None = base."""
+    logprob_start_len: int = -1
+    """SGLang's ``logprob_start_len`` with ``return_logprob``: ``input_token_logprobs`` from this prompt
+    position on (-1: none)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,20 @@ def _prompts(body: dict, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[li
     return prompts, is_batch
 
 
+def _logprob_start(value: Any, prompt_len: int) -> int:
+    """A valid ``logprob_start_len`` for a prompt of ``prompt_len`` tokens (-1: output logprobs only)."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(
+            f"`logprob_start_len` must be an integer >= 0, or -1 for output logprobs only; got {value!r}"
+        )
+    if value >= prompt_len:
+        raise ValueError(f"`logprob_start_len` ({value}) must be less than the prompt's {prompt_len} tokens "
+                         "(input_token_logprobs start at that prompt position)")
+    return value
+
+
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != count:
@@ -94,11 +111,6 @@ def parse_generate(
     for key, default in _UNSUPPORTED.items():
         if body.get(key) not in (default, None):
             raise ValueError(f"`{key}` is not supported by the embedded engine")
-    start = body.get("logprob_start_len", -1)
-    if start not in (-1, None):
-        raise ValueError(
-            "`logprob_start_len` other than -1 (prompt logprobs) is not supported by the embedded engine"
-        )
     prompts, is_batch = _prompts(body, tokenizer, vocab_size)
     for p in prompts:
         if len(p) >= max_positions:
@@ -118,16 +130,20 @@ def parse_generate(
     loras = _per_item(body.get("lora_path"), len(prompts), "lora_path")
     if not all(x is None or (isinstance(x, str) and x) for x in loras):
         raise ValueError("`lora_path` must be the name of a loaded LoRA adapter (or a list of such names)")
+    return_logprob = _flag(body, "return_logprob")
+    # As SGLang: without return_logprob, logprob_start_len is not read.
+    raw_starts = _per_item(body.get("logprob_start_len"), len(prompts), "logprob_start_len")
+    starts = [_logprob_start(v, len(p)) if return_logprob else -1 for v, p in zip(raw_starts, prompts, strict=True)]
     specs: list[RequestSpec] = []
-    for prompt, r, p, lora in zip(prompts, rids, params, loras, strict=True):
+    for prompt, r, p, lora, start in zip(prompts, rids, params, loras, starts, strict=True):
         r = r if r is not None else uuid.uuid4().hex
         if not isinstance(r, str):
             raise ValueError("`rid` must be a string")
         for i in range(p.n):
             seed = None if p.sampling_seed is None else p.sampling_seed + i
-            specs.append(RequestSpec(r if p.n == 1 else f"{r}_{i}", list(prompt), p, seed, lora))
+            specs.append(RequestSpec(r if p.n == 1 else f"{r}_{i}", list(prompt), p, seed, lora, start))
     opts = GenerateOptions(
-        return_logprob=_flag(body, "return_logprob"),
+        return_logprob=return_logprob,
         top_logprobs_num=top_n,
         return_text_in_logprobs=_flag(body, "return_text_in_logprobs"),
         return_prompt_token_ids=_flag(body, "return_prompt_token_ids"),

@@ -40,6 +40,8 @@ class GenRequest:
     stop_ids: frozenset[int]
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    """Prompt logprobs from this position on (with ``return_logprob``); -1: none."""
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
     stream: bool = False
@@ -53,6 +55,16 @@ class GenRequest:
     stop_text: tuple[int, str] | None = None  # (index in text, matched) when a stop string ended it
     created: float = field(default_factory=time.monotonic)
     adapter: Any = None  # the LoRA adapter (``engine.lora.Adapter``) this request samples with
+    input_logprobs: list[float | None] | None = None
+    """Set once at prefill when ``scores_prompt``: the logprobs of ``input_ids[logprob_start_len:]`` (the first
+    None), as ``sampling.prompt_logprobs`` gives them; never changed after."""
+    input_top: list[list[tuple[float, int]] | None] | None = None
+    """With ``top_logprobs_num``: the top alternatives at each of those positions (the first None)."""
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Prompt logprobs were asked for (``return_logprob`` with ``logprob_start_len`` >= 0)."""
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def finished(self) -> bool:
@@ -168,14 +180,14 @@ class GenRequest:
             lps = memo.setdefault("lp", [])
             for lp, tid in zip(self.logprobs[len(lps) : n], output_ids[len(lps) :], strict=True):
                 lps.append([lp, tid, self._tok_text(tokenizer, tid)])
-            meta["input_token_logprobs"] = []
+            meta["input_token_logprobs"] = self._input_logprob_triples(tokenizer, memo)
             meta["output_token_logprobs"] = lps[:n]
             meta["output_token_logprobs_length"] = n
             if self.top_logprobs_num > 0:
                 tops = memo.setdefault("top", [])
                 for row in self.top[len(tops) : n]:
-                    tops.append([[lp, tid, self._tok_text(tokenizer, tid)] for lp, tid in row])
-                meta["input_top_logprobs"] = []
+                    tops.append(self._triples(tokenizer, row))
+                meta["input_top_logprobs"] = self._input_top_triples(tokenizer, memo)
                 meta["output_top_logprobs"] = tops[:n]
         out: dict[str, Any] = {
             "text": self.text(tokenizer, snap),
@@ -185,6 +197,27 @@ class GenRequest:
         if self.return_prompt_token_ids:
             out["prompt_token_ids"] = list(self.input_ids)
         return out
+
+    def _input_logprob_triples(self, tokenizer: Tokenizer, memo: dict[str, list]) -> list:
+        """``input_token_logprobs``: ``[logprob, id, text]`` of each prompt token from ``logprob_start_len`` on
+        (``[]`` when not asked for, or before the prefill)."""
+        if self.input_logprobs is None:
+            return []
+        if "in" not in memo:
+            ids = self.input_ids[self.logprob_start_len :]
+            memo["in"] = [[lp, tid, self._tok_text(tokenizer, tid)]
+                          for lp, tid in zip(self.input_logprobs, ids, strict=True)]
+        return memo["in"]
+
+    def _input_top_triples(self, tokenizer: Tokenizer, memo: dict[str, list]) -> list:
+        if self.input_top is None:
+            return []
+        if "in_top" not in memo:
+            memo["in_top"] = [None if row is None else self._triples(tokenizer, row) for row in self.input_top]
+        return memo["in_top"]
+
+    def _triples(self, tokenizer: Tokenizer, row: list[tuple[float, int]]) -> list[list]:
+        return [[lp, tid, self._tok_text(tokenizer, tid)] for lp, tid in row]
 
     def _tok_text(self, tokenizer: Tokenizer, tid: int) -> str | None:
         if not self.return_text_in_logprobs:

@@ -164,6 +164,7 @@ class Engine:
             stop_ids=stop_ids,
             return_logprob=opts.return_logprob,
             top_logprobs_num=opts.top_logprobs_num,
+            logprob_start_len=spec.logprob_start_len,
             return_text_in_logprobs=opts.return_text_in_logprobs,
             return_prompt_token_ids=opts.return_prompt_token_ids,
             stream=opts.stream,

@@ -206,6 +206,37 @@ def top_logprobs(logprob_row: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return list(zip(values.tolist(), ids.tolist(), strict=True))
 
 
+PROMPT_CHUNK_ROWS = 256
+"""Rows of prompt logits turned into logprobs at a time: a long prompt never holds a float32 [T, V] copy
+beside the model's logits."""
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, input_ids: list[int], start: int, top_k: int, chunk_rows: int = PROMPT_CHUNK_ROWS
+) -> tuple[list[float | None], list[list[tuple[float, int]] | None] | None]:
+    """SGLang's ``input_token_logprobs`` values (and ``input_top_logprobs`` with ``top_k`` > 0) of the prompt
+    ``input_ids`` from position ``start`` on, from the prefill's ``logits[len(input_ids) - start, V]`` of
+    positions ``start`` .. the last (raw logits, as the sampled tokens' logprobs: see the module docstring).
+
+    Entry ``j`` is the logprob of ``input_ids[start + j]`` given the tokens before it, read from the logits
+    of position ``start + j - 1``; entry 0 is None (SGLang leaves it out even when ``start`` > 0, as the
+    logits before ``start`` are not computed). The last position's logits predict the first output token and
+    are not used here."""
+    if logits.shape[0] != len(input_ids) - start:
+        raise ValueError(f"{logits.shape[0]} logit rows for prompt positions {start}..{len(input_ids) - 1}")
+    rows = logits[:-1]
+    targets = torch.tensor(input_ids[start + 1 :], dtype=torch.long, device=logits.device)
+    picked: list[float] = []
+    tops: list[list[tuple[float, int]]] = []
+    for lo in range(0, rows.shape[0], chunk_rows):
+        lp = torch.log_softmax(rows[lo : lo + chunk_rows].float(), dim=-1)
+        picked += lp.gather(1, targets[lo : lo + chunk_rows, None])[:, 0].tolist()
+        if top_k > 0:
+            values, ids = torch.topk(lp, min(top_k, lp.shape[-1]), dim=-1)
+            tops += [list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)]
+    return [None, *picked], ([None, *tops] if top_k > 0 else None)
+
+
 def find_stop_string(text: str, p: SamplingParams) -> tuple[int, str] | None:
     """The earliest match of a stop string or stop regex in ``text``: ``(start index, matched text)``."""
     best: tuple[int, str] | None = None

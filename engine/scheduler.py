@@ -1,8 +1,9 @@
 """The engine's one model thread: dynamic batching with a shared KV cache, pause/abort, weight swaps.
 
 Batching policy: requests wait in a FIFO queue; at every step boundary (before each decode step) waiting
-requests are admitted up to ``max_batch_size``: they are prefilled together, their first token sampled,
-and their cache rows merged into the running batch, which then decodes one token per row per step.
+requests are admitted up to ``max_batch_size``: they are prefilled together (those asking for prompt
+logprobs in a forward of their own that keeps the logits they need: ``scoring.py``), their first token
+sampled, and their cache rows merged into the running batch, which then decodes one token per row per step.
 Finished rows leave at once. So a request arriving mid-batch joins at the next step, not the next batch.
 
 Control operations (abort, pause, continue, weight update) are commands run by this thread between two
@@ -29,6 +30,7 @@ from tokenizers import Tokenizer
 from tracegym.engine import kv_batch as kvb
 from tracegym.engine.request import ABORTED, ABORTED_WAITING, GenRequest
 from tracegym.engine.sampling import sample_rows, top_logprobs
+from tracegym.engine.scoring import fill_prompt_logprobs, kept_columns, scoring_plan
 from tracegym.engine.weights import apply_state
 
 log = logging.getLogger(__name__)
@@ -265,17 +267,17 @@ class Scheduler:
             self._waiting.remove(r)
         zero = [r for r in new if r.params.max_new_tokens == 0]
         for r in zero:
-            r.finish_reason = {"type": "length", "length": 0}
-            self._deliver(r)
+            if not r.scores_prompt:
+                r.finish_reason = {"type": "length", "length": 0}
+                self._deliver(r)
+        if any(r.scores_prompt for r in zero):
+            self._score_only([r for r in zero if r.scores_prompt])
         new = [r for r in new if r.params.max_new_tokens > 0]
         if not new:
             return
         try:
             # Neither step touches the running batch, so a failure here fails the new requests only.
-            if self.row_hook is not None:
-                self.row_hook(new)
-            with self._autocast():
-                batch, logits = kvb.prefill(self.model, [r.input_ids for r in new], self.device)
+            new, batch, logits = self._prefill(new)
             merged = batch if self._batch is None else kvb.merge(self._batch, batch, self.model.config)
         except Exception as e:
             log.exception("prefill of %d requests failed", len(new))
@@ -286,6 +288,47 @@ class Scheduler:
         self._running.extend(new)
         self._advance(new, logits)
         self._retire()
+
+    def _prefill(self, reqs: list[GenRequest]) -> tuple[list[GenRequest], kvb.KVBatch, torch.Tensor]:
+        """Prefill ``reqs``, filling in the prompt logprobs of those that ask (``scoring``). Returns the
+        requests in the batch's row order, the batch and their next-token logits[B, V]."""
+        plain, scored, copies = scoring_plan(reqs)
+        groups: list[tuple[list[GenRequest], kvb.KVBatch, torch.Tensor]] = []
+        if plain:
+            batch, logits = self._forward_prefill(plain, 1)
+            groups.append((plain, batch, logits[:, -1, :]))
+        if scored:
+            batch, logits = self._forward_prefill(scored, kept_columns(scored))
+            fill_prompt_logprobs(scored, logits, copies)
+            groups.append((scored, batch, logits[:, -1, :].clone()))  # not a view holding every column
+            del logits
+        if len(groups) == 1:
+            return groups[0]
+        (a, batch_a, logits_a), (b, batch_b, logits_b) = groups
+        return [*a, *b], kvb.merge(batch_a, batch_b, self.model.config), torch.cat([logits_a, logits_b])
+
+    def _score_only(self, reqs: list[GenRequest]) -> None:
+        """Requests with ``max_new_tokens`` 0 that ask for prompt logprobs: a prefill for those, then done
+        (their cache is dropped at once)."""
+        try:
+            _, scored, copies = scoring_plan(reqs)
+            _, logits = self._forward_prefill(scored, kept_columns(scored))
+            fill_prompt_logprobs(scored, logits, copies)
+        except Exception as e:
+            log.exception("prompt logprobs of %d requests failed", len(reqs))
+            self._fail(reqs, e)
+            return
+        self.stats.prefill_batches += 1
+        for r in reqs:
+            r.finish_reason = {"type": "length", "length": 0}
+            self._deliver(r)
+
+    def _forward_prefill(self, reqs: list[GenRequest], keep: int) -> tuple[kvb.KVBatch, torch.Tensor]:
+        """One prefill forward of ``reqs`` (rows in this order) keeping ``keep`` logit columns."""
+        if self.row_hook is not None:
+            self.row_hook(reqs)
+        with self._autocast():
+            return kvb.prefill_keep(self.model, [r.input_ids for r in reqs], self.device, keep)
 
     def _step(self) -> None:
         if not self._running or self.frozen or self._batch is None:

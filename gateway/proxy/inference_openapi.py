@@ -36,6 +36,7 @@ _SAMPLING: Schema = {
     "frequency_penalty": _NUMBER | {"minimum": -2, "maximum": 2},
     "presence_penalty": _NUMBER | {"minimum": -2, "maximum": 2},
     "return_token_ids": {"type": "boolean"},
+    "return_tokens_as_token_ids": {"type": "boolean", "description": "logprob entries name tokens token_id:{id}"},
 }
 
 _TOKEN_IDS: Schema = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
@@ -68,6 +69,9 @@ COMPLETION: Schema = {
                                  {"type": "string"}, _TOKEN_IDS]}}],
                    "description": "a string (needs the gateway's tokenizer) or token ids, or a batch of one"},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
+                            "description": "choices[i].prompt_logprobs with this many top alternatives per prompt "
+                                           "token (vLLM's); not with stream"},
         "echo": {"const": False, "description": "not supported"},
         "suffix": {"description": "not supported"},
         "stream_options": {"type": "object", "description": "only with stream: true"},

@@ -18,7 +18,7 @@ from tracegym.gateway.proxy.call_context import (
 from tracegym.gateway.proxy.prompt.families import DEFAULT, Family
 from tracegym.gateway.proxy.prompt.reasoning import OPEN as REASONING_OPEN
 from tracegym.gateway.proxy.prompt.tools import combine_status
-from tracegym.gateway.proxy.upstream.base import GenChoice, GenerateResult, TopLogprob
+from tracegym.gateway.proxy.upstream.base import GenChoice, GenerateResult, PromptLogprobs, TopLogprob
 from tracegym.gateway.proxy.validation import ParsedRequest
 from tracegym.types import CallRecord, ChoiceRecord
 
@@ -95,30 +95,42 @@ def openai_finish_reason(ch: GenChoice, message: dict[str, Any] | None) -> str:
     return ch.finish_reason or "stop"
 
 
-def token_logprob(svc: Services, token_id: int, logprob: float, top: list[TopLogprob] | None) -> dict:
-    tok = svc.tokenizer.decode([token_id]) if svc.tokenizer is not None else str(token_id)
+def token_name(svc: Services, token_id: int, as_ids: bool = False) -> str:
+    """A token as logprob entries name it: its text, or vLLM's ``token_id:{id}`` (``return_tokens_as_token_ids``)."""
+    if as_ids:
+        return f"token_id:{token_id}"
+    return svc.tokenizer.decode([token_id]) if svc.tokenizer is not None else str(token_id)
+
+
+def token_logprob(svc: Services, token_id: int, logprob: float, top: list[TopLogprob] | None,
+                  as_ids: bool = False) -> dict:
+    tok = token_name(svc, token_id, as_ids)
     return {
         "token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8")),
-        "top_logprobs": [token_top(svc, t) for t in top or []],
+        "top_logprobs": [token_top(svc, t, as_ids) for t in top or []],
     }
 
 
-def token_top(svc: Services, t: TopLogprob) -> dict:
-    tok = t.text if t.text is not None else (
-        svc.tokenizer.decode([t.token_id]) if svc.tokenizer is not None and t.token_id is not None else "")
+def token_top(svc: Services, t: TopLogprob, as_ids: bool = False) -> dict:
+    if as_ids and t.token_id is not None:
+        tok = token_name(svc, t.token_id, True)
+    else:
+        tok = t.text if t.text is not None else (
+            svc.tokenizer.decode([t.token_id]) if svc.tokenizer is not None and t.token_id is not None else "")
     return {"token": tok, "logprob": t.logprob, "bytes": list(tok.encode("utf-8"))}
 
 
-def logprob_entries(svc: Services, ch: GenChoice) -> list[dict] | None:
+def logprob_entries(svc: Services, ch: GenChoice, as_ids: bool = False) -> list[dict] | None:
     """OpenAI chat logprob entries of the choice's tokens (None without ids or logprobs)."""
     if ch.output_ids is None or ch.logprobs is None:
         return None
     tops = ch.top_logprobs or [None] * len(ch.output_ids)
-    return [token_logprob(svc, i, lp, t) for i, lp, t in zip(ch.output_ids, ch.logprobs, tops, strict=False)]
+    return [token_logprob(svc, i, lp, t, as_ids)
+            for i, lp, t in zip(ch.output_ids, ch.logprobs, tops, strict=False)]
 
 
-def chat_logprobs(svc: Services, ch: GenChoice) -> dict | None:
-    entries = logprob_entries(svc, ch)
+def chat_logprobs(svc: Services, ch: GenChoice, as_ids: bool = False) -> dict | None:
+    entries = logprob_entries(svc, ch, as_ids)
     return None if entries is None else {"content": entries}
 
 
@@ -137,9 +149,29 @@ def completion_logprobs_of(entries: list[dict], *, offsets: bool = True) -> dict
     return out
 
 
-def completion_logprobs(svc: Services, ch: GenChoice) -> dict | None:
-    entries = logprob_entries(svc, ch)
+def completion_logprobs(svc: Services, ch: GenChoice, as_ids: bool = False) -> dict | None:
+    entries = logprob_entries(svc, ch, as_ids)
     return None if entries is None else completion_logprobs_of(entries)
+
+
+def prompt_logprob_entries(svc: Services, pl: PromptLogprobs, as_ids: bool = False) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else ``{"<id>": {"logprob", "rank",
+    "decoded_token"}}`` for the token itself and for each of the top alternatives asked for (``rank`` 1 is the
+    most likely). The upstream reports no rank for a prompt token outside those: its ``rank`` is null."""
+    out: list[dict | None] = []
+    for i, (tid, lp) in enumerate(zip(pl.token_ids, pl.logprobs, strict=True)):
+        if lp is None:
+            out.append(None)
+            continue
+        tops = (pl.top[i] if pl.top is not None else None) or []
+        ranks = {t.token_id: r for r, t in enumerate(tops, 1)}
+        entry = {str(tid): {"logprob": lp, "rank": ranks.get(tid), "decoded_token": token_name(svc, tid, as_ids)}}
+        for r, t in enumerate(tops, 1):
+            if t.token_id is not None and t.token_id != tid:
+                entry[str(t.token_id)] = {"logprob": t.logprob, "rank": r,
+                                          "decoded_token": token_name(svc, t.token_id, as_ids)}
+        out.append(entry)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -161,7 +193,7 @@ def chat_response(
         msg, status = assistant_message(svc, parsed, ch, choice_text(svc, ch), opens=opens)
         statuses.append(status)
         finish = openai_finish_reason(ch, msg)
-        out_choices.append({"index": ch.index, "message": msg, "logprobs": chat_logprobs(svc, ch)
+        out_choices.append({"index": ch.index, "message": msg, "logprobs": chat_logprobs(svc, ch, parsed.tokens_as_ids)
                             if parsed.logprobs else None, "finish_reason": finish})
         records.append(choice_record(ch, finish, msg, result.weight_version))
     return _response(svc, parsed, ctx, prompt, result, out_choices, records, "chat.completion",
@@ -172,11 +204,16 @@ def completion_response(
     svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt, result: GenerateResult
 ) -> tuple[dict[str, Any], CallRecord]:
     out_choices, records = [], []
+    prompt_lps = None
+    if parsed.prompt_logprobs is not None and result.prompt_logprobs is not None:
+        prompt_lps = prompt_logprob_entries(svc, result.prompt_logprobs, parsed.tokens_as_ids)
     for ch in result.choices:
         text = choice_text(svc, ch)
         finish = ch.finish_reason or "stop"
-        out_choices.append({"index": ch.index, "text": text, "logprobs": completion_logprobs(svc, ch)
-                            if parsed.logprobs else None, "finish_reason": finish})
+        out_choices.append({"index": ch.index, "text": text, "logprobs": completion_logprobs(
+            svc, ch, parsed.tokens_as_ids) if parsed.logprobs else None, "finish_reason": finish})
+        if parsed.prompt_logprobs is not None:
+            out_choices[-1]["prompt_logprobs"] = prompt_lps
         records.append(choice_record(ch, finish, {"text": text}, result.weight_version))
     return _response(svc, parsed, ctx, prompt, result, out_choices, records, "text_completion")
 

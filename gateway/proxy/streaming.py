@@ -142,7 +142,7 @@ class ChoiceStream:
         new_text = self.decoder.push(ch.output_ids or []) if self.decoder else (ch.text or "")
         self._text.add(new_text)
         self._unsent += new_text
-        lps = logprob_entries(self.svc, ch) if self.parsed.logprobs else None
+        lps = logprob_entries(self.svc, ch, self.parsed.tokens_as_ids) if self.parsed.logprobs else None
         deltas = [{"tool_calls": ch.tool_call_deltas}] if ch.tool_call_deltas else []
         if ch.tool_call_deltas:
             self.saw_tool_call = True

@@ -33,6 +33,11 @@ class ParsedRequest:
     prompt: str | list[int] | None = None
     return_token_ids: bool = False
     """vLLM's ``return_token_ids``: answer ``prompt_token_ids`` and ``choices[i].token_ids`` too."""
+    tokens_as_ids: bool = False
+    """vLLM's ``return_tokens_as_token_ids``: logprob entries name their token ``token_id:{id}``."""
+    prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs`` (completions): the prompt tokens' logprobs, with this many top alternatives
+    each, in ``choices[i].prompt_logprobs``."""
     template_kwargs: dict[str, Any] | None = None
     """``chat_template_kwargs``, checked (an object without the keys the request itself sets)."""
     api: Api = "chat"
@@ -155,8 +160,8 @@ LOGIT_BIAS_MAX = 300
 def _unused_sampling(body: dict) -> None:
     """Bounds on the sampling fields the gateway does not use itself but an OpenAI-compatible upstream
     would receive as sent: ``best_of`` other than 1 and beam search are refused (one call, one sample per
-    choice), ``logit_bias`` is at most ``LOGIT_BIAS_MAX`` entries of -100..100, ``top_k``, ``min_tokens``
-    and ``prompt_logprobs`` are bounded integers."""
+    choice), ``logit_bias`` is at most ``LOGIT_BIAS_MAX`` entries of -100..100, ``min_tokens`` and
+    ``prompt_logprobs`` are bounded integers (completions read ``prompt_logprobs`` too: ``parse_completion``)."""
     best_of = _integer(body, "best_of", 1)
     if best_of is not None and best_of != 1:
         raise bad_request("'best_of' is not supported: only 1 (ask for 'n' choices instead)", "best_of")
@@ -169,7 +174,6 @@ def _unused_sampling(body: dict) -> None:
         if not all(isinstance(v, int | float) and not isinstance(v, bool) and -100 <= v <= 100
                    for v in bias.values()):
             raise bad_request("'logit_bias' values must be numbers between -100 and 100", "logit_bias")
-    _integer(body, "top_k", -1, 1 << 20)
     _integer(body, "min_tokens", 0, 1 << 20)
     _integer(body, "prompt_logprobs", 0, 20)
 
@@ -179,7 +183,9 @@ def _sampling(body: dict, *, max_key_first: str | None) -> SamplingParams:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1)
     _unused_sampling(body)
+    top_k = _integer(body, "top_k", -1, 1 << 20)
     return SamplingParams(
+        top_k=top_k if top_k is not None and top_k > 0 else None,  # -1 and 0: all tokens, as vLLM
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0),
         top_p=_number(body, "top_p", 0.0, 1.0),
@@ -258,6 +264,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         sampling=_sampling(body, max_key_first="max_completion_tokens"), stream=stream,
         include_usage=include_usage, logprobs=logprobs, top_logprobs=top, messages=messages, tools=tools,
         tool_choice=tool_choice, return_token_ids=_boolean(body, "return_token_ids"),
+        tokens_as_ids=_boolean(body, "return_tokens_as_token_ids"),
         separate_reasoning=_get(body, "separate_reasoning", bool, "a boolean") is not False,
     )
 
@@ -284,9 +291,13 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
         raise bad_request("'suffix' is not supported", "suffix")
     top = _integer(body, "logprobs", 0, 20)
     stream, include_usage = _stream_flags(body)
+    prompt_logprobs = _integer(body, "prompt_logprobs", 0, 20)
+    if prompt_logprobs is not None and stream:
+        raise bad_request("'prompt_logprobs' is not supported with 'stream': true", "prompt_logprobs")
     return ParsedRequest(
         operation="text_completion", api="completions", body=body, model=model,
         sampling=_sampling(body, max_key_first=None),
         stream=stream, include_usage=include_usage, logprobs=top is not None, top_logprobs=top or 0,
         prompt=prompt, return_token_ids=_boolean(body, "return_token_ids"),
+        tokens_as_ids=_boolean(body, "return_tokens_as_token_ids"), prompt_logprobs=prompt_logprobs,
     )

@@ -60,7 +60,7 @@ def _boom(*args, **kwargs):
 def test_failing_prefill_answers_with_an_error(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
     sp = {"max_new_tokens": 4, "ignore_eos": True}
     with monkeypatch.context() as m:
-        m.setattr(kvb, "prefill", _boom)
+        m.setattr(kvb, "prefill_keep", _boom)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             r = pool.submit(_post, client, {"input_ids": PROMPT, "sampling_params": sp}).result(TIMEOUT)
         assert r.status_code == 500

@@ -5,14 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tracegym.engine.request import GenRequest
 from tracegym.engine.sampling import (
     filtered_probs,
     find_stop_string,
     make_generator,
     parse_sampling_params,
+    prompt_logprobs,
     sample_from,
     sample_rows,
 )
+from tracegym.engine.scoring import kept_columns, scoring_plan
 
 
 def test_defaults_and_sglang_spellings() -> None:
@@ -93,3 +96,38 @@ def test_inverse_cdf_draws_follow_the_distribution() -> None:
     counts = torch.bincount(draws, minlength=5).float() / 4000
     assert counts[0] == 0 and counts[2] == 0
     torch.testing.assert_close(counts, probs, atol=0.03, rtol=0)
+
+
+def test_prompt_logprobs_in_chunks_equal_a_loop_over_positions() -> None:
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 50, (9,), generator=gen).tolist()
+    start = 2
+    logits = torch.randn(len(ids) - start, 50, generator=gen) * 3
+    lps, tops = prompt_logprobs(logits, ids, start, 4, chunk_rows=3)
+    whole_lps, whole_tops = prompt_logprobs(logits, ids, start, 4, chunk_rows=1000)
+    assert lps[0] is None and tops is not None and tops[0] is None and len(lps) == len(tops) == len(ids) - start
+    assert lps == whole_lps and tops == whole_tops
+    for j in range(1, len(ids) - start):
+        row = torch.log_softmax(logits[j - 1], -1)  # position start + j - 1 predicts token start + j
+        assert lps[j] == pytest.approx(float(row[ids[start + j]]), abs=1e-6)
+        assert [t for _, t in tops[j]] == torch.topk(row, 4).indices.tolist()
+    assert prompt_logprobs(logits, ids, start, 0)[1] is None
+    assert prompt_logprobs(logits[-1:], ids, len(ids) - 1, 2) == ([None], [None])
+    with pytest.raises(ValueError, match=r"7 logit rows for prompt positions 1\.\.8"):
+        prompt_logprobs(logits, ids, 1, 0)
+
+
+def _req(ids: list[int], start: int = -1, top: int = 0, adapter: object = None) -> GenRequest:
+    return GenRequest("r", ids, parse_sampling_params({}), torch.Generator(), frozenset(), return_logprob=True,
+                      top_logprobs_num=top, logprob_start_len=start, adapter=adapter)
+
+
+def test_scoring_plan_scores_each_distinct_prompt_once() -> None:
+    lora = object()
+    a, a2, a_lora = _req([1, 2, 3], 0), _req([1, 2, 3], 0), _req([1, 2, 3], 0, adapter=lora)
+    a_top, b, plain = _req([1, 2, 3], 0, top=2), _req([4, 5, 6, 7], 1), _req([1, 2, 3])
+    plain_part, scored, copies = scoring_plan([plain, a, a2, a_lora, a_top, b])
+    assert scored == [a, a_lora, a_top, b]
+    assert copies == [(a2, a)]
+    assert plain_part == [plain, a2]
+    assert kept_columns(scored) == 3  # b asks for positions 1..3 of 4

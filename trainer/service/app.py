@@ -22,10 +22,12 @@ from tracegym.trainer.service.access import Access, HttpError, fail, get_run, re
 from tracegym.trainer.service.futures import UserFault
 from tracegym.trainer.service.rest import add_rest_routes
 from tracegym.trainer.service.runs import Run, SeqConflict
+from tracegym.trainer.service.sampling import parse_sample
 from tracegym.trainer.service.state import SAMPLER_WEIGHTS, ServiceState, tinker_path
 from tracegym.trainer.service.wire import (
     PROTO,
     BadInput,
+    SampleResult,
     forward_backward_from_json,
     forward_backward_from_proto,
 )
@@ -335,12 +337,15 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
             access.need_admin()
         else:
             access.need_run(sampler.run)
-        prompt, params, n = _sample_args(state, body)
+        try:
+            ask = parse_sample(body, max_length=state.max_length, model=state.cfg.model)
+        except BadInput as e:
+            raise HttpError(400, str(e)) from None
 
-        async def work() -> list[Any]:
-            return await state.sample(sampler, prompt, params, n)
+        async def work() -> SampleResult:
+            return await state.sample(sampler, ask)
         rid = state.futures.submit(work(), "sample")
-        return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(n)]}
+        return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(ask.n)]}
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
@@ -387,34 +392,3 @@ def _loss_names() -> list[str]:
     from tracegym.trainer.service.steps import loss_names
 
     return loss_names()
-
-
-def _sample_args(state: ServiceState, body: dict[str, Any]) -> tuple[list[int], dict[str, Any], int]:
-    chunks = (body.get("prompt") or {}).get("chunks")
-    if not isinstance(chunks, list) or not chunks:
-        raise HttpError(400, "prompt must be {\"chunks\": [{\"tokens\": [...]}]} with at least one token")
-    prompt: list[int] = []
-    for j, c in enumerate(chunks):
-        if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
-            raise HttpError(400, f"prompt.chunks[{j}]: only token chunks (encoded_text) are supported")
-        prompt += [int(t) for t in c.get("tokens") or []]
-    if not prompt:
-        raise HttpError(400, "prompt has no tokens")
-    n = body.get("num_samples", 1)
-    if not isinstance(n, int) or not 1 <= n <= 128:
-        raise HttpError(400, f"num_samples must be an integer in 1..128, got {n!r}")
-    params = dict(body.get("sampling_params") or {})
-    if params.get("top_k", -1) not in (-1, 0, None):
-        raise HttpError(400, "sampling_params.top_k is not supported (leave it at -1)")
-    for flag in ("prompt_logprobs", "record_stability_info"):
-        if body.get(flag):
-            raise HttpError(400, f"{flag} is not supported by tracegym's sampler")
-    for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if body.get(key):
-            raise HttpError(400, f"{key} is not supported by tracegym's sampler")
-    if body.get("target_prompt_logprobs") is not None:
-        raise HttpError(400, "target_prompt_logprobs is not supported by tracegym's sampler")
-    limit = state.max_length
-    if limit and len(prompt) >= limit:
-        raise HttpError(400, f"the prompt has {len(prompt)} tokens; {state.cfg.model} takes fewer than {limit}")
-    return prompt, params, n

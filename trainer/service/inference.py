@@ -23,7 +23,8 @@ import httpx
 from tracegym.procs import ManagedProcess, free_port, start_process
 from tracegym.trainer.service.futures import UserFault
 from tracegym.trainer.service.runs import Run
-from tracegym.trainer.service.wire import Sampled
+from tracegym.trainer.service.sampling import SampleAsk, completion_body, read_completion
+from tracegym.trainer.service.wire import SampleResult
 from tracegym.trainer.settings import LoraConfig
 from tracegym.trainer.weights.adapters import AdapterSync
 from tracegym.trainer.weights.disk import DiskWeightSync
@@ -136,8 +137,7 @@ class Inference:
 
     # ---------------------------------------------------------------- sampling
 
-    async def sample(self, version: str, prompt: list[int], params: dict[str, Any], n: int,
-                     rollout_id: str) -> list[Sampled]:
+    async def sample(self, version: str, ask: SampleAsk, rollout_id: str) -> SampleResult:
         self.check_version(version)
         async with self._cond:
             while self.serving != version:
@@ -149,38 +149,18 @@ class Inference:
                     self.serving = version
             self._inflight += 1
         try:
-            return await self._complete(prompt, params, n, rollout_id)
+            return await self._complete(ask, rollout_id)
         finally:
             async with self._cond:
                 self._inflight -= 1
                 self._cond.notify_all()
 
-    async def _complete(self, prompt: list[int], params: dict[str, Any], n: int, rollout_id: str) -> list[Sampled]:
-        stop = params.get("stop")
-        stop_ids = set(stop) if isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop) else set()
-        body: dict[str, Any] = {"model": self.served_model, "prompt": prompt, "n": n, "logprobs": 0,
-                                "return_token_ids": True, "temperature": params.get("temperature", 1.0),
-                                "top_p": params.get("top_p", 1.0)}
-        for key in ("max_tokens", "seed"):
-            if params.get(key) is not None:
-                body[key] = params[key]
-        if isinstance(stop, str):
-            body["stop"] = [stop]
-        elif isinstance(stop, list) and stop and not stop_ids:
-            body["stop"] = stop
-        resp = await self._http.post("/v1/completions", json=body, headers={"X-Rollout-Id": rollout_id})
+    async def _complete(self, ask: SampleAsk, rollout_id: str) -> SampleResult:
+        resp = await self._http.post("/v1/completions", json=completion_body(ask, self.served_model),
+                                     headers={"X-Rollout-Id": rollout_id})
         if resp.status_code != 200:
             raise RuntimeError(f"the gateway answered {resp.status_code}: {resp.text[:500]}")
-        out = []
-        for ch in sorted(resp.json()["choices"], key=lambda c: c["index"]):
-            tokens = list(ch["token_ids"])
-            logprobs = [float(x) for x in (ch.get("logprobs") or {}).get("token_logprobs") or []]
-            reason = "length" if ch.get("finish_reason") == "length" else "stop"
-            cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-            if cut is not None:  # a stop token other than the model's EOS: cut after it
-                tokens, logprobs, reason = tokens[: cut + 1], logprobs[: cut + 1], "stop"
-            out.append(Sampled(tokens, logprobs, reason))
-        return out
+        return read_completion(resp.json(), ask)
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -15,7 +15,8 @@ from tracegym.trainer.service import steps
 from tracegym.trainer.service.futures import FutureStore, UserFault
 from tracegym.trainer.service.inference import BASE, Inference
 from tracegym.trainer.service.runs import Run
-from tracegym.trainer.service.wire import ForwardBackwardCall, Sampled
+from tracegym.trainer.service.sampling import SampleAsk
+from tracegym.trainer.service.wire import ForwardBackwardCall, SampleResult
 from tracegym.trainer.settings import OptimConfig
 
 CHECKPOINTS = "weights"
@@ -199,9 +200,9 @@ class ServiceState:
             raise UserFault(f"{model_path}: version {version} was published by {p.run.model_id}, not {owner}")
         return self.new_sampler(version, p.run, model_path)
 
-    async def sample(self, sampler: Sampler, prompt: list[int], params: dict[str, Any], n: int) -> list[Sampled]:
+    async def sample(self, sampler: Sampler, ask: SampleAsk) -> SampleResult:
         rollout = f"tinker-{sampler.sampler_id}-{next(sampler.seq)}"
-        return await self.inference.sample(sampler.version, prompt, params, n, rollout)
+        return await self.inference.sample(sampler.version, ask, rollout)
 
     async def close(self) -> None:
         await self.futures.close()

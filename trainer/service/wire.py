@@ -1,7 +1,8 @@
 """The Tinker API's wire formats: ``forward_backward`` requests as protobuf (what the ``tinker`` SDK sends,
 zstd-compressed or not) or JSON (what a hand-written client may send), and the two results the SDK reads
-as protobuf (``ForwardBackwardOutput``, ``SampleResponse``) or as JSON. The message classes are the SDK's
-own generated ones (``tinker.proto.tinker_public_pb2``, the ``tinker`` extra), imported when first used.
+as protobuf (``ForwardBackwardOutput``, ``SampleResponse`` with its prompt and top-k logprobs) or as JSON.
+The message classes are the SDK's own generated ones (``tinker.proto.tinker_public_pb2``, the ``tinker``
+extra), imported when first used.
 
 Every malformed input raises ``BadInput`` naming the field and what it should be."""
 
@@ -202,21 +203,71 @@ def forward_backward_output(outputs: list[dict[str, np.ndarray]], metrics: dict[
 
 
 @dataclass(slots=True)
+class TopK:
+    """Top-k logprobs at each position: ``rows[i]`` holds up to ``k`` (token id, logprob), most likely
+    first, or None where nothing was computed."""
+
+    k: int
+    rows: list[list[tuple[int, float]] | None]
+
+
+@dataclass(slots=True)
 class Sampled:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
     """``stop`` or ``length``."""
+    topk: TopK | None = None
+    """``topk_sample_logprobs``: one row per token."""
 
 
-def sample_response(seqs: list[Sampled], proto: bool) -> Any:
+@dataclass(slots=True)
+class SampleResult:
+    sequences: list[Sampled]
+    prompt_logprobs: list[float | None] | None = None
+    """One per prompt token (None: not computed, as for the first), when asked for."""
+    topk_prompt: TopK | None = None
+    """``topk_prompt_logprobs``: one row per prompt token."""
+
+
+def _topk_json(t: TopK | None) -> list[list[list[float]] | None] | None:
+    return None if t is None else [None if row is None else [[tid, lp] for tid, lp in row] for row in t.rows]
+
+
+def _topk_proto(msg: Any, t: TopK) -> None:
+    """The SDK's ``TopkLogprobs``: dense ``[len(rows), k]`` matrices, empty cells (and rows) filled with its
+    sentinel (token 0, ``MASK_LOGPROB``)."""
+    from tinker.types.topk_logprobs import MASK_LOGPROB
+
+    ids = np.zeros((len(t.rows), t.k), dtype=np.int32)
+    lps = np.full((len(t.rows), t.k), MASK_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(t.rows):
+        for j, (tid, lp) in enumerate((row or [])[: t.k]):
+            ids[i, j], lps[i, j] = tid, lp
+    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), t.k, len(t.rows)
+
+
+def sample_response(result: SampleResult, proto: bool) -> Any:
     if not proto:
-        return {"type": "sample", "sequences": [
-            {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in seqs]}
+        out: dict[str, Any] = {"type": "sample", "sequences": [
+            {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
+            | ({} if s.topk is None else {"topk_logprobs": _topk_json(s.topk)}) for s in result.sequences]}
+        if result.prompt_logprobs is not None:
+            out["prompt_logprobs"] = result.prompt_logprobs
+        if result.topk_prompt is not None:
+            out["topk_prompt_logprobs"] = _topk_json(result.topk_prompt)
+        return out
     pb = _pb()
     msg = pb.SampleResponse()
-    for s in seqs:
-        msg.sequences.add(stop_reason=pb.STOP_REASON_LENGTH if s.stop_reason == "length" else pb.STOP_REASON_STOP,
-                          tokens=np.asarray(s.tokens, dtype=np.int32).tobytes(),
-                          logprobs=np.asarray(s.logprobs, dtype=np.float32).tobytes())
+    for s in result.sequences:
+        seq = msg.sequences.add(stop_reason=pb.STOP_REASON_LENGTH if s.stop_reason == "length" else pb.STOP_REASON_STOP,
+                                tokens=np.asarray(s.tokens, dtype=np.int32).tobytes(),
+                                logprobs=np.asarray(s.logprobs, dtype=np.float32).tobytes())
+        if s.topk is not None:
+            _topk_proto(seq.topk_sampled_logprobs, s.topk)
+    if result.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.asarray([np.nan if x is None else x for x in result.prompt_logprobs],
+                                         dtype=np.float32).tobytes()
+    if result.topk_prompt is not None:
+        _topk_proto(msg.topk_prompt_logprobs, result.topk_prompt)
     return msg.SerializeToString()

@@ -33,6 +33,8 @@ class SamplingParams:
     n: int = 1
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    top_k: int | None = None
+    """Sample among the ``top_k`` most likely tokens (None: all)."""
 
 
 @dataclass(slots=True)
@@ -53,6 +55,9 @@ class GenerateRequest:
     call moved), recorded on the span as ``tracegym.upstream``."""
     adapter: str | None = None
     """The LoRA adapter (logical name, ``upstream/adapter_table.py``) that serves this call; None = the base."""
+    prompt_logprobs: int | None = None
+    """vLLM's ``prompt_logprobs`` (token-native upstreams): every prompt token's logprob, with this many top
+    alternatives at each position; None: not asked for."""
 
 
 @dataclass(slots=True)
@@ -60,6 +65,17 @@ class TopLogprob:
     token_id: int | None
     logprob: float
     text: str | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The prompt tokens' logprobs, one entry per prompt token: the logprob of ``token_ids[i]`` given the
+    tokens before it (None for the first, which has no context), and with ``top`` the most likely tokens at
+    that position, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top: list[list[TopLogprob] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -97,6 +113,8 @@ class GenerateResult:
     retokenized: bool = False
     completion_tokens: int = 0
     """As the upstream reported it (used when it returned no ids)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """When the request asked for them (``GenerateRequest.prompt_logprobs``)."""
 
 
 @dataclass(slots=True)

@@ -68,8 +68,11 @@ def continuation_request(req: GenerateRequest, joined: JoinedChoice) -> Generate
     sampling = dataclasses.replace(req.sampling, max_tokens=remaining, n=1,
                                    stop=list(req.sampling.stop), stop_token_ids=list(req.sampling.stop_token_ids))
     suffix = f"-c{joined.continuations}" if req.sampling.n <= 1 else f"-{joined.index}-c{joined.continuations}"
+    # Prompt logprobs come from the first prefill of the prompt: a re-post asks for them again only while
+    # nothing was generated yet (its input is still the prompt alone).
     return dataclasses.replace(req, rid=req.rid + suffix, sampling=sampling,
-                               input_ids=[*req.input_ids, *joined.ids])
+                               input_ids=[*req.input_ids, *joined.ids],
+                               prompt_logprobs=None if joined.ids else req.prompt_logprobs)
 
 
 def too_many_continuations(rid: str) -> OpenAIError:

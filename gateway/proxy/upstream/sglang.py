@@ -34,6 +34,7 @@ from tracegym.gateway.proxy.upstream.base import (
     GenerateRequest,
     GenerateResult,
     ModelInfo,
+    PromptLogprobs,
     StreamEvent,
     TopLogprob,
     Upstream,
@@ -79,6 +80,8 @@ def sampling_params(req: GenerateRequest) -> dict[str, Any]:
         sp["frequency_penalty"] = s.frequency_penalty
     if s.presence_penalty is not None:
         sp["presence_penalty"] = s.presence_penalty
+    if s.top_k is not None:
+        sp["top_k"] = s.top_k
     if s.n > 1:
         sp["n"] = s.n
     return sp
@@ -94,8 +97,14 @@ def generate_payload(req: GenerateRequest, *, stream: bool, lora_path: str | Non
         "return_logprob": True,
         "stream": stream,
     }
-    if req.top_logprobs:
-        payload["top_logprobs_num"] = req.top_logprobs
+    top = req.top_logprobs
+    if req.prompt_logprobs is not None:
+        if stream:
+            raise ValueError("prompt logprobs are asked for without streaming only")
+        payload["logprob_start_len"] = 0
+        top = max(top, req.prompt_logprobs)  # SGLang's one top_logprobs_num: output tops are cut back to theirs
+    if top:
+        payload["top_logprobs_num"] = top
     if lora_path is not None:
         payload["lora_path"] = lora_path  # SGLang's name for the adapter's lora_name
     return payload
@@ -128,12 +137,34 @@ def _ids_and_logprobs(item: dict[str, Any], start: int = 0) -> tuple[list[int], 
     return list(ids[start:]), None, len(ids)
 
 
-def _top_logprobs(item: dict[str, Any], start: int = 0) -> list[list[TopLogprob]] | None:
+def _top_logprobs(item: dict[str, Any], start: int = 0,
+                  keep: int | None = None) -> list[list[TopLogprob]] | None:
+    """The output tokens' top logprobs from position ``start`` on; ``keep``: at most that many each (0: none)."""
     tops = item["meta_info"].get("output_top_logprobs")
-    if not tops:
+    if not tops or keep == 0:
         return None
-    return [[TopLogprob(int(t[1]), float(t[0]), t[2] if len(t) > 2 else None) for t in pos or []]
-            for pos in tops[start:]]
+    return [_tops(pos or [], keep) for pos in tops[start:]]
+
+
+def _tops(triples: list[list[Any]], keep: int | None = None) -> list[TopLogprob]:
+    return [TopLogprob(int(t[1]), float(t[0]), t[2] if len(t) > 2 else None) for t in triples[:keep]]
+
+
+def prompt_logprobs(items: list[dict[str, Any]]) -> PromptLogprobs | None:
+    """SGLang's ``input_token_logprobs`` / ``input_top_logprobs`` (asked for from prompt position 0) of the
+    first item that has them (all items of a request share its prompt; one aborted before its prefill has
+    none)."""
+    for item in items:
+        meta = item["meta_info"]
+        triples = meta.get("input_token_logprobs")
+        if triples:
+            tops = meta.get("input_top_logprobs") or None
+            return PromptLogprobs(
+                token_ids=[int(t[1]) for t in triples],
+                logprobs=[None if t[0] is None else float(t[0]) for t in triples],
+                top=None if tops is None else [None if pos is None else _tops(pos) for pos in tops],
+            )
+    return None
 
 
 def upstream_aborted(ch: GenChoice) -> UpstreamUnavailable:
@@ -142,26 +173,32 @@ def upstream_aborted(ch: GenChoice) -> UpstreamUnavailable:
     return UpstreamUnavailable(f"the upstream aborted the generation: {ch.error or 'no reason given'}")
 
 
-def parse_item(index: int, item: dict[str, Any]) -> GenChoice:
+def parse_item(index: int, item: dict[str, Any], top_logprobs: int | None = None) -> GenChoice:
+    """One ``/generate`` item; ``top_logprobs``: the output top logprobs kept per token (None: all)."""
     meta = item["meta_info"]
     ids, lps, _ = _ids_and_logprobs(item)
     reason, matched = finish_reason(meta)
     abort_msg = meta["finish_reason"].get("message") if reason == "abort" else None
     return GenChoice(
-        index=index, output_ids=ids, logprobs=lps, top_logprobs=_top_logprobs(item), text=item.get("text"),
-        finish_reason=reason, stop_matched=matched, error=abort_msg,
+        index=index, output_ids=ids, logprobs=lps, top_logprobs=_top_logprobs(item, keep=top_logprobs),
+        text=item.get("text"), finish_reason=reason, stop_matched=matched, error=abort_msg,
     )
 
 
-def parse_generate_response(body: Any) -> GenerateResult:
+def parse_generate_response(body: Any, req: GenerateRequest | None = None) -> GenerateResult:
+    """The result of ``/generate``; with ``req``, its prompt logprobs if it asked, and no more output top
+    logprobs per token than it asked for."""
     items = body if isinstance(body, list) else [body]
     if not items:
         raise ValueError("empty /generate response")
     meta = items[0]["meta_info"]
+    asked = req is not None and req.prompt_logprobs is not None
+    keep = req.top_logprobs if asked else None
     return GenerateResult(
-        choices=[parse_item(i, it) for i, it in enumerate(items)],
+        choices=[parse_item(i, it, keep) for i, it in enumerate(items)],
         prompt_tokens=int(meta.get("prompt_tokens") or 0),
         weight_version=meta.get("weight_version"),
+        prompt_logprobs=prompt_logprobs(items) if asked else None,
     )
 
 
@@ -241,31 +278,36 @@ class SGLangUpstream(Upstream):
         if not self.gate.is_pause_abort(ticket):
             raise upstream_aborted(aborted[0])
         joined = await asyncio.gather(*(self._continue(req, c, result.weight_version) for c in aborted))
-        by_index = {j.index: (j, c) for j, c in joined}
+        by_index = {j.index: (j, c) for j, c, _ in joined}
         result.choices = [by_index[c.index][1] if c.index in by_index else c for c in result.choices]
-        versions = [j.spans[-1].version for j, _ in joined if j.spans]
+        versions = [j.spans[-1].version for j, _, _ in joined if j.spans]
         result.weight_version = versions[-1] if versions else result.weight_version
+        if result.prompt_logprobs is None:  # every choice was aborted before its prefill
+            result.prompt_logprobs = next((p for _, _, p in joined if p is not None), None)
         return result
 
     async def _continue(self, req: GenerateRequest, first: GenChoice,
-                        version: str | None) -> tuple[JoinedChoice, GenChoice]:
-        """Re-post a swap-aborted choice until it finishes (non-stream)."""
+                        version: str | None) -> tuple[JoinedChoice, GenChoice, PromptLogprobs | None]:
+        """Re-post a swap-aborted choice until it finishes (non-stream); also the prompt logprobs of a
+        re-post that asked for them (``continuation_request``)."""
         joined = JoinedChoice(first.index)
         joined.add(first, version)
+        prompt_lps = None
         while joined.continuations < MAX_CONTINUATIONS:
             joined.continuations += 1
             await self.gate.wait_idle()
             sub = continuation_request(req, joined)
             if sub is None:
-                return joined, joined.final("length", None)
+                return joined, joined.final("length", None), prompt_lps
             ticket = self.gate.ticket()
             res = await self._generate_once(sub)
+            prompt_lps = prompt_lps or res.prompt_logprobs
             part = res.choices[0]
             joined.add(part, res.weight_version)
             if part.finish_reason != "abort" or not self.gate.is_pause_abort(ticket):
                 if part.finish_reason == "abort":
                     raise upstream_aborted(part)
-                return joined, joined.final(part.finish_reason, part.stop_matched)
+                return joined, joined.final(part.finish_reason, part.stop_matched), prompt_lps
         raise too_many_continuations(req.rid)
 
     async def _generate_once(self, req: GenerateRequest) -> GenerateResult:
@@ -275,7 +317,7 @@ class SGLangUpstream(Upstream):
             status, raw = await self._pool.post_json("/generate", orjson.dumps(payload))
             if status >= 400:
                 raise UpstreamRejected(status, error_message(raw.decode(errors="replace")[:1000]))
-            return parse_generate_response(orjson.loads(raw))
+            return parse_generate_response(orjson.loads(raw), req)
         with upstream_errors(url, self._timeout_s):
             async with self._session.post(
                 url, data=orjson.dumps(payload), headers=self._headers,
@@ -283,7 +325,7 @@ class SGLangUpstream(Upstream):
             ) as resp:
                 await check_status(resp)
                 body = orjson.loads(await resp.read())
-        return parse_generate_response(body)
+        return parse_generate_response(body, req)
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
         ticket = self.gate.ticket()

@@ -14,6 +14,8 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 from tracegym.trainer.service.wire import (
     BadInput,
     Sampled,
+    SampleResult,
+    TopK,
     forward_backward_from_json,
     forward_backward_from_proto,
     forward_backward_output,
@@ -81,8 +83,25 @@ def test_results_decode_with_the_sdk() -> None:
     assert fb.metrics == {"loss:sum": 2.5}
     assert [o["logprobs"].tolist() for o in fb.loss_fn_outputs] == [[-1.0, -2.0], [-0.5]]
     assert fb.loss_fn_outputs[1]["elementwise_loss"].tolist() == [0.5]
-    sr = deserialize_sample_response(sample_response([Sampled([4, 5, 2], [-0.1, -0.2, -0.3], "stop"),
-                                                      Sampled([9], [-1.0], "length")], proto=True))
+    sr = deserialize_sample_response(sample_response(SampleResult([Sampled([4, 5, 2], [-0.1, -0.2, -0.3], "stop"),
+                                                                   Sampled([9], [-1.0], "length")]), proto=True))
     assert [s.tokens_np.tolist() for s in sr.sequences] == [[4, 5, 2], [9]]
     assert [s.stop_reason for s in sr.sequences] == ["stop", "length"]
     assert sr.sequences[0].logprobs_np.tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert sr.prompt_logprobs is None and sr.topk_prompt_logprobs is None and sr.sequences[0].topk_logprobs is None
+
+
+def test_prompt_and_topk_logprobs_decode_with_the_sdk() -> None:
+    result = SampleResult(
+        [Sampled([4, 5], [-0.1, -0.2], "length", TopK(2, [[(4, -0.1), (7, -0.9)], [(5, -0.2)]]))],
+        prompt_logprobs=[None, -1.5, -2.5],
+        topk_prompt=TopK(3, [None, [(8, -0.5), (3, -1.5), (1, -2.0)], [(2, -0.25), (6, -2.5), (9, -3.0)]]))
+    sr = deserialize_sample_response(sample_response(result, proto=True))
+    assert sr.prompt_logprobs == pytest.approx([None, -1.5, -2.5])
+    assert sr.topk_prompt_logprobs == [None, [(8, -0.5), (3, -1.5), (1, -2.0)], [(2, -0.25), (6, -2.5), (9, -3.0)]]
+    assert sr.sequences[0].topk_logprobs == [[(4, pytest.approx(-0.1)), (7, pytest.approx(-0.9))],
+                                             [(5, pytest.approx(-0.2))]]  # a short row: the sentinel cut off
+    as_json = sample_response(result, proto=False)
+    assert as_json["prompt_logprobs"] == [None, -1.5, -2.5]
+    assert as_json["topk_prompt_logprobs"][1] == [[8, -0.5], [3, -1.5], [1, -2.0]]
+    assert as_json["sequences"][0]["topk_logprobs"] == [[[4, -0.1], [7, -0.9]], [[5, -0.2]]]

@@ -1,7 +1,7 @@
 """One `tracegym serve --engine embedded --model tiny-random` (gateway + engine child + SQLite store) for
 every e2e module that does not change the engine's weights; a module that does (test_swap) overrides
 ``gateway`` with its own. Also the plumbing of the tests that train through ``tracegym train``: a run's
-metrics rows, and an example's recipe trained shortened."""
+metrics rows, an example's recipe trained shortened, and a chained sft → grpo recipe shortened."""
 
 from __future__ import annotations
 
@@ -39,12 +39,14 @@ def train_example_shortened(
     timeout: float,
     eval_tasks: int | None = None,
     lr: float | None = None,
+    recipe_file: str = "recipe.yaml",
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
-    """``tracegym train`` of an example's recipe (``example``: its directory) for ``steps`` steps, evaluated
-    at the start and the end only, on its held-out tasks (the first ``eval_tasks`` of them, or all), with
-    learning rate ``lr`` instead of the recipe's when given; run in ``tmp`` (run directory ``tmp/run``). The
-    run must succeed. Returns the finished process and the run's metrics rows."""
-    recipe = yaml.safe_load((example / "recipe.yaml").read_text())
+    """``tracegym train`` of an example's recipe (``example``: its directory; ``recipe_file`` in it) for
+    ``steps`` steps, evaluated at the start and the end only, on its held-out tasks (the first ``eval_tasks``
+    of them, or all), with learning rate ``lr`` instead of the recipe's when given; run in ``tmp`` (run
+    directory ``tmp/run``), the example's dataset files (``sft.files``, ``dpo.files``) read where they are.
+    The run must succeed. Returns the finished process and the run's metrics rows."""
+    recipe = yaml.safe_load((example / recipe_file).read_text())
     eval_path = example / "eval.jsonl"
     if eval_tasks is not None:
         held = eval_path.read_text().splitlines()[:eval_tasks]
@@ -59,6 +61,9 @@ def train_example_shortened(
     if lr is not None:
         recipe["optim"]["lr"] = lr
     recipe["agent"]["target"] = f"{example / 'agent.py'}:agent"
+    for section in ("sft", "dpo"):
+        if recipe.get(section, {}).get("files"):
+            recipe[section]["files"] = [str(example / f) for f in recipe[section]["files"]]
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     res = subprocess.run(
@@ -71,6 +76,29 @@ def train_example_shortened(
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     return res, metrics_rows(tmp / "run")
+
+
+def shortened_sft_grpo(recipe: Path, tmp: Path, sft_steps: int, grpo_steps: int, eval_tasks: int) -> Path:
+    """An example's chained recipe (an sft phase on its ``sft.files``, then grpo) shortened to ``sft_steps``
+    and ``grpo_steps``, evaluated before, at the end of the sft phase and at the end on its first
+    ``eval_tasks`` held-out tasks × 2 samples, run directory ``tmp/run``; its agent (``agent.target``'s
+    module, a file beside the recipe), tasks and demonstrations stay the example's. Returns the shortened
+    recipe's path, in ``tmp``."""
+    example = recipe.parent
+    raw = yaml.safe_load(recipe.read_text())
+    held = (example / raw["data"]["eval_path"]).read_text().splitlines()[:eval_tasks]
+    (tmp / "eval.jsonl").write_text("\n".join(held) + "\n")
+    raw.update(
+        phases=[{"objective": "sft", "steps": sft_steps}, {"objective": "grpo", "steps": grpo_steps}],
+        eval_interval=0, eval_samples=2, run_dir=str(tmp / "run"),
+        data={"path": str(example / raw["data"]["path"]), "eval_path": str(tmp / "eval.jsonl")},
+    )  # fmt: skip
+    module, function = raw["agent"]["target"].split(":")
+    raw["agent"]["target"] = f"{example / (module + '.py')}:{function}"
+    raw["sft"]["files"] = [str(example / f) for f in raw["sft"]["files"]]
+    path = tmp / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -17,14 +17,16 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 # the quickstart has tests of its own (test_quickstart.py, test_run_dirs.py)
-RECIPES = sorted(p.parent.name for p in EXAMPLES.glob("*/recipe.yaml") if p.parent.name != "quickstart")
+EXAMPLE_NAMES = sorted(p.parent.name for p in EXAMPLES.glob("*/recipe.yaml") if p.parent.name != "quickstart")
+# every recipe of those examples, as NAME/FILE: recipe.yaml and its variants (recipe-*.yaml)
+RECIPES = sorted(f"{name}/{p.name}" for name in EXAMPLE_NAMES for p in (EXAMPLES / name).glob("recipe*.yaml"))
 
 
 def tiny_recipe(name: str, tmp: Path) -> Path:
-    """``examples/NAME/recipe.yaml`` on tiny-random, one step of 2 tasks × 2 rollouts (one of each phase of a
-    chained recipe), 2 held-out tasks."""
-    src = EXAMPLES / name
-    recipe = yaml.safe_load((src / "recipe.yaml").read_text())
+    """``examples/NAME/FILE`` on tiny-random, one step of 2 tasks × 2 rollouts (one of each phase of a chained
+    recipe), 2 held-out tasks."""
+    src = (EXAMPLES / name).parent
+    recipe = yaml.safe_load((EXAMPLES / name).read_text())
     tasks = (src / recipe["data"]["path"]).read_text().splitlines()
     (tmp / "train.jsonl").write_text("\n".join(tasks[:4]) + "\n")
     held = (src / recipe["data"]["eval_path"]).read_text().splitlines() if recipe["data"].get("eval_path") else tasks[4:]
@@ -48,7 +50,7 @@ def tiny_recipe(name: str, tmp: Path) -> Path:
 
 def test_every_example_agent_has_a_recipe() -> None:
     agents = sorted(p.parent.name for p in EXAMPLES.glob("*/agent.py") if p.parent.name != "quickstart")
-    assert agents and agents == RECIPES, "an example agent without a recipe.yaml cannot be trained"
+    assert agents and agents == EXAMPLE_NAMES, "an example agent without a recipe.yaml cannot be trained"
 
 
 @pytest.mark.slow

@@ -6,45 +6,30 @@ the valid-call rate to 0.8 or more, no lower than the sft-only model's, and rais
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from tests.e2e.conftest import metrics_rows, shortened_sft_grpo
 
 ROOT = Path(__file__).resolve().parents[2]
-EX = ROOT / "examples" / "tool_agent_sft"
+RECIPE = ROOT / "examples" / "tool_agent_sft" / "recipe.yaml"
 SFT_STEPS, GRPO_STEPS = 2, 3
 EVAL_TASKS = 16  # x 2 samples
 
 
-def shortened(tmp: Path) -> Path:
-    recipe = yaml.safe_load((EX / "recipe.yaml").read_text())
-    held = (EX / "eval.jsonl").read_text().splitlines()[:EVAL_TASKS]
-    (tmp / "eval.jsonl").write_text("\n".join(held) + "\n")
-    recipe.update(
-        phases=[{"objective": "sft", "steps": SFT_STEPS}, {"objective": "grpo", "steps": GRPO_STEPS}],
-        eval_interval=0, eval_samples=2, run_dir=str(tmp / "run"),
-        data={"path": str(EX / "train.jsonl"), "eval_path": str(tmp / "eval.jsonl")},
-    )
-    recipe["agent"]["target"] = f"{EX / 'agent.py'}:agent"
-    recipe["sft"]["files"] = [str(EX / f) for f in recipe["sft"]["files"]]
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
-
-
 @pytest.mark.slow
 def test_sft_then_grpo_teaches_the_tools_api(tmp_path: Path) -> None:
+    recipe = shortened_sft_grpo(RECIPE, tmp_path, SFT_STEPS, GRPO_STEPS, EVAL_TASKS)
     res = subprocess.run(
-        [sys.executable, "-m", "tracegym.cli", "train", str(shortened(tmp_path))], cwd=tmp_path,
+        [sys.executable, "-m", "tracegym.cli", "train", str(recipe)], cwd=tmp_path,
         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics_rows(tmp_path / "run")
     train = [r for r in rows if r["kind"] == "train"]
     before, sft, grpo = evals = [r for r in rows if r["kind"] == "eval"]
     curve = " -> ".join(f"step {r['step']}: reward {r['reward_mean']:.3f}, valid calls {r['emitted/valid_call']:.2f}"

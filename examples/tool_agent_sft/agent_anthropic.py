@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from typing import Any
 
 import anthropic
+from multiply_task import calculator, question, score
 
 import tracegym as tg
 
@@ -40,22 +40,6 @@ TOOLS = [
         },
     }
 ]
-EXPRESSION = re.compile(r"^\s*(-?\d+)\s*([-+*/x])\s*(-?\d+)\s*$")
-
-
-def question(a: int, b: int) -> str:
-    return f"What is {a} * {b}?"
-
-
-def calculator(expression: str) -> str:
-    """The tool: the value of ``a op b`` as text, or an error the model sees."""
-    m = EXPRESSION.match(expression)
-    if m is None:
-        return "error: expected <integer> <op> <integer>"
-    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
-    if op == "/":
-        return str(a / b) if b else "error: division by zero"
-    return str({"+": a + b, "-": a - b, "*": a * b, "x": a * b}[op])
 
 
 def run_call(name: str, tool_input: dict[str, Any]) -> tuple[str, bool]:
@@ -67,12 +51,6 @@ def run_call(name: str, tool_input: dict[str, Any]) -> tuple[str, bool]:
         return 'error: give {"expression": "<a> <op> <b>"}', False
     result = calculator(expression)
     return result, not result.startswith("error")
-
-
-def score(text: str, answer: int) -> float:
-    """1.0 when the last number in the reply is the answer."""
-    numbers = re.findall(r"-?\d+(?:\.\d+)?", text)
-    return 1.0 if numbers and float(numbers[-1]) == answer else 0.0
 
 
 @functools.cache

@@ -15,7 +15,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from agent import TOOLS, calculator, question  # noqa: E402
+from agent import TOOLS  # noqa: E402
+from multiply_task import calculator, question  # noqa: E402
 
 N_TRAIN, N_EVAL, N_DEMOS = 256, 32, 32
 

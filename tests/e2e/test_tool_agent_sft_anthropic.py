@@ -30,11 +30,13 @@ SFT_STEPS, GRPO_STEPS = 2, 3
 EVAL_TASKS = 16  # x 2 samples
 
 
-def test_messages_conversations_render_to_the_demonstrations_tokens(tiny_model_dir: Path) -> None:
+def test_messages_conversations_render_to_the_demonstrations_tokens(tiny_model_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Each demonstration's two prompts (the question; the question, the call and its result) as the agent
     sends them on the Messages API, rendered by the gateway (tiny-random has SmolLM2's tokenizer and chat
     template), are the prompt tokens the import renders from the OpenAI-form demonstration."""
     tok = ChatTokenizer.from_dir(tiny_model_dir)
+    monkeypatch.syspath_prepend(str(EX))  # as the runner loads an agent: its folder on sys.path
     tools = runpy.run_path(str(EX / "agent_anthropic.py"))["TOOLS"]
     demos = [json.loads(x) for x in (EX / "demos.jsonl").read_text().splitlines()]
     assert len(demos) == 32

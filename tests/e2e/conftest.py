@@ -18,6 +18,8 @@ import yaml
 
 from tests.procs import ManagedProcess, free_port, start_process
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def serve_tiny(tmp: Path, *extra: str) -> ManagedProcess:
     """A gateway with the embedded engine on tiny-random and a SQLite store in ``tmp``."""
@@ -99,6 +101,31 @@ def shortened_sft_grpo(recipe: Path, tmp: Path, sft_steps: int, grpo_steps: int,
     path = tmp / "recipe.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
+
+
+def sft_grpo_evaluations(
+    recipe: Path, tmp: Path, sft_steps: int, grpo_steps: int, eval_tasks: int, label: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``tracegym train`` of ``shortened_sft_grpo(recipe, ...)``; checks that it succeeded, that it evaluated
+    before, at the end of the sft phase and at the end, that the sft steps read 16 imported demonstrations
+    each and sampled nothing and that the grpo steps sampled; prints the curve under ``label``. Returns the
+    three evaluations' metrics rows."""
+    path = shortened_sft_grpo(recipe, tmp, sft_steps, grpo_steps, eval_tasks)
+    res = subprocess.run(
+        [sys.executable, "-m", "tracegym.cli", "train", str(path)], cwd=tmp,
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    rows = metrics_rows(tmp / "run")
+    train = [r for r in rows if r["kind"] == "train"]
+    before, sft, grpo = evals = [r for r in rows if r["kind"] == "eval"]
+    curve = " -> ".join(f"step {r['step']}: reward {r['reward_mean']:.3f}, valid calls {r['emitted/valid_call']:.2f}"
+                        for r in evals)  # fmt: skip
+    print(f"{label} sft -> grpo: {curve}")
+    assert [r["step"] for r in evals] == [0, sft_steps, sft_steps + grpo_steps]
+    assert all(r["sft_rollouts"] == 16 and "gen_s" not in r for r in train[:sft_steps]), train
+    assert all("gen_s" in r for r in train[sft_steps:]), train
+    return before, sft, grpo
 
 
 @pytest.fixture(scope="session")

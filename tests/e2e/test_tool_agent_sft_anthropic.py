@@ -10,15 +10,12 @@ the agent's Messages conversations to the demonstrations' tokens, which the fast
 from __future__ import annotations
 
 import json
-import os
 import runpy
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import metrics_rows, shortened_sft_grpo
+from tests.e2e.conftest import sft_grpo_evaluations
 from tracegym.gateway.api.imports import render_calls
 from tracegym.gateway.proxy.anthropic.request import parse_messages
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
@@ -58,22 +55,8 @@ def test_messages_conversations_render_to_the_demonstrations_tokens(tiny_model_d
 
 @pytest.mark.slow
 def test_sft_then_grpo_teaches_the_messages_tools_api(tmp_path: Path) -> None:
-    recipe = shortened_sft_grpo(RECIPE, tmp_path, SFT_STEPS, GRPO_STEPS, EVAL_TASKS)
-    res = subprocess.run(
-        [sys.executable, "-m", "tracegym.cli", "train", str(recipe)], cwd=tmp_path,
-        capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    rows = metrics_rows(tmp_path / "run")
-    train = [r for r in rows if r["kind"] == "train"]
-    before, sft, grpo = evals = [r for r in rows if r["kind"] == "eval"]
-    curve = " -> ".join(f"step {r['step']}: reward {r['reward_mean']:.3f}, valid calls {r['emitted/valid_call']:.2f}"
-                        for r in evals)  # fmt: skip
-    print(f"anthropic tool agent sft -> grpo: {curve}")
-    assert [r["step"] for r in evals] == [0, SFT_STEPS, SFT_STEPS + GRPO_STEPS]
-    # the sft steps read the 32 imported demonstrations (16 a step) and sample nothing
-    assert all(r["sft_rollouts"] == 16 and "gen_s" not in r for r in train[:SFT_STEPS]), train
-    assert all("gen_s" in r for r in train[SFT_STEPS:]), train
+    before, sft, grpo = sft_grpo_evaluations(RECIPE, tmp_path, SFT_STEPS, GRPO_STEPS, EVAL_TASKS,
+                                             "anthropic tool agent")
     # the untrained model never calls the tool; it may state a product by chance
     assert before["emitted/valid_call"] <= 0.05 and before["reward_mean"] <= 0.15, before
     # measured in five runs: valid calls 0.00 -> 0.62-0.72 after sft -> 0.88-0.97; reward 0.000 -> 0.34-0.62

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,6 +140,17 @@ def test_a_whole_reply_parser_streams_through_the_buffered_parser() -> None:
         assert parser.status == "ok" and (held > 0) == (not at_start)  # content before the call streamed
 
 
+
+def fed_in_chunks(reader: Any, text: str, rng: random.Random) -> list:
+    """What a streaming reader yields for ``text`` fed in random chunks of 1-6 characters, then finished."""
+    out, at = [], 0
+    while at < len(text):
+        step = rng.randint(1, 6)
+        out += reader.feed(text[at:at + step])
+        at += step
+    return out + reader.finish()
+
+
 def test_harmony_readers_read_a_whole_reply_as_they_stream_it() -> None:
     """``read`` (a whole reply in one pass, what ``split_reasoning`` and ``parse_tools`` use) gives the text the
     readers stream when fed the same reply in pieces: reasoning, text, content, calls and status alike."""
@@ -160,23 +172,14 @@ def test_harmony_readers_read_a_whole_reply_as_they_stream_it() -> None:
         for opens in (False, True):
             whole = HarmonyReasoning(opens).read(text)
             for _ in range(4):
-                r, deltas, at = HarmonyReasoning(opens), [], 0
-                while at < len(text):
-                    step = rng.randint(1, 6)
-                    deltas += r.feed(text[at:at + step])
-                    at += step
-                deltas += r.finish()
+                deltas = fed_in_chunks(HarmonyReasoning(opens), text, rng)
                 assert [joined(deltas, k) for k in ("reasoning", "text")] == [
                     joined(whole, k) for k in ("reasoning", "text")], text
         reader = HarmonyTools(NAMES)
         whole = reader.read(text)
         for _ in range(4):
-            t, events, at = HarmonyTools(NAMES), [], 0
-            while at < len(text):
-                step = rng.randint(1, 6)
-                events += t.feed(text[at:at + step])
-                at += step
-            events += t.finish()
+            t = HarmonyTools(NAMES)
+            events = fed_in_chunks(t, text, rng)
             assert joined(events, "content") == joined(whole, "content") and t.status == reader.status, text
             assert [(e.name, e.arguments) for e in events if e.kind == "tool_call"] == [
                 (e.name, e.arguments) for e in whole if e.kind == "tool_call"], text

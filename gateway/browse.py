@@ -2,8 +2,10 @@
 finished run's store, with no upstream and nothing that writes. ``tracegym inspect RUN_DIR`` serves it, and
 so does ``tracegym serve --store URL`` without an upstream.
 
-It is the gateway's front and guard (keys, Host allow-list, request metrics) around the inspector alone:
-no inference routes, no control API, no OTLP ingest, no weight routes. The tokenizer that shows tokens as
+It is the gateway's front and guard (keys, Host allow-list, request metrics) around the inspector and the
+control and trajectory API's reads (``GET``: rollouts, their spans and trajectories, weight versions, run
+metrics; so ``tracegym export`` reads a finished run): no inference routes, no writes, no OTLP ingest, no
+weight routes. The tokenizer that shows tokens as
 text comes from ``--model`` or, for a run directory, from the last weights the run wrote."""
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
 from prometheus_client import CollectorRegistry
 from starlette.responses import Response
 from starlette.types import ASGIApp
 
 from tracegym.errors import UserError
-from tracegym.gateway.api import ui
+from tracegym.gateway.api import control, trajectories, ui
 from tracegym.gateway.app import _redacted
-from tracegym.gateway.deps import GatewayMetrics, Services, StoreDep
+from tracegym.gateway.deps import GatewayMetrics, Services
 from tracegym.gateway.openai_errors import install_error_handlers
 from tracegym.gateway.proxy.auth import Guard
 from tracegym.gateway.proxy.front import GatewayFront
@@ -96,6 +99,14 @@ def browse_settings(store_url: str, model: str | None, security: dict[str, Any])
     return GatewaySettings(store_url=store_url, model=model, upstream_kind="openai", **security)
 
 
+def _reads(*routers: APIRouter) -> APIRouter:
+    """The routes of ``routers`` that only read (``GET``), in one router."""
+    reads = APIRouter()
+    reads.routes.extend(r for router in routers for r in router.routes
+                        if isinstance(r, APIRoute) and r.methods == {"GET"})
+    return reads
+
+
 def create_browse_app(settings: GatewaySettings, tokenizer_dir: Path | None) -> BrowseApp:
     """The read-only inspector over ``settings.store_url`` (see the module docstring)."""
     if not settings.store_url:
@@ -106,11 +117,7 @@ def create_browse_app(settings: GatewaySettings, tokenizer_dir: Path | None) -> 
     app.state.guard = Guard(settings.admin_key, settings.allowed_hosts, settings.auth_failures_per_minute)
     install_error_handlers(app)
     ui.install(app)
-
-    @app.get("/api/weight_versions")
-    def weight_versions(store: StoreDep) -> Response:  # the runs page marks each version on its time axis
-        return Response(orjson.dumps({"weight_versions": store.list_weight_versions()}),
-                        media_type="application/json")
+    app.include_router(_reads(control.router, trajectories.router))
 
     @app.get("/healthz")
     async def healthz() -> Response:

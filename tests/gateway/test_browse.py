@@ -1,9 +1,10 @@
 """Browsing a finished run's store without an upstream: ``tracegym inspect RUN_DIR`` and ``tracegym serve
---store URL`` alone serve the trace inspector read-only (its pages and JSON routes; no inference, no
-control API, no writes)."""
+--store URL`` alone serve the trace inspector read-only (its pages and JSON routes, and the control and
+trajectory API's reads, which ``tracegym export`` uses; no inference, no writes)."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,6 +58,12 @@ def test_the_inspector_is_served_read_only(run_dir: tuple[Path, Scenario]) -> No
         system = client.get("/api/inspect/system").json()
         assert system["upstream"]["kind"] == "none" and system["upstream"]["health"]["reachable"] is False
         assert client.get("/api/weight_versions").status_code == 200
+        # the control and trajectory API's reads, for tracegym export
+        rollouts = client.get("/api/rollouts", params={"limit": 100}).json()["rollouts"]
+        assert s.clean in {r["rollout_id"] for r in rollouts}
+        assert client.get(f"/api/rollouts/{s.clean}").json()["rollout_id"] == s.clean
+        assert client.get(f"/api/rollouts/{s.clean}/spans").json()["spans"]
+        assert client.get(f"/api/rollouts/{s.clean}/trajectory").status_code == 200
         assert "<html" in client.get("/ui/runs/run-b").text.lower()
         assert client.get("/healthz").json()["browsing"] is True
         # nothing that writes or samples
@@ -78,6 +85,11 @@ def test_cli_browses_a_finished_run(run_dir: tuple[Path, Scenario], tmp_path: Pa
         base = f"http://127.0.0.1:{port}"
         runs = httpx.get(base + "/api/runs").json()["runs"]
         assert {r["run"] for r in runs} >= {"run-a", "run-b"}
+        out = tmp_path / f"{how}.jsonl"  # a finished run's rollouts export from the browsing gateway
+        res = subprocess.run(["tracegym", "export", "--gateway", base, "--out", str(out)], capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert s.clean in out.read_text()
         assert httpx.get(f"{base}/api/inspect/rollouts/{s.failed}").status_code == 200
         assert httpx.get(base + "/ui").status_code == 200
         assert httpx.post(base + "/api/tasks", json={"tasks": [{"input": 1}]}).status_code in (404, 405)

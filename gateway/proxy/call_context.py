@@ -125,7 +125,7 @@ def generate_request(svc: Services, parsed: ParsedRequest, ctx: CallContext, pro
         body=None if svc.upstream.token_native else parsed.body,
         logprobs=parsed.logprobs, top_logprobs=parsed.top_logprobs, adapter=ctx.lora_adapter,
         route_key=None if ctx.adhoc else ctx.rollout_id,
-        prompt_logprobs=parsed.prompt_logprobs if svc.upstream.token_native else None,
+        prompt_logprobs=parsed.prompt_logprobs,  # only token-native upstreams get here with it
     )
     return req
 

@@ -32,6 +32,9 @@ async def create_completion(request: Request, svc: Services, rollout_id: str | N
     parsed = parse_completion(load_json_object(await read_body(request, svc.settings.max_body_bytes)))
     if isinstance(parsed.prompt, str) and svc.upstream.token_native and svc.tokenizer is None:
         raise bad_request("this gateway has no tokenizer: send the prompt as token ids", "prompt")
+    if parsed.prompt_logprobs is not None and not svc.upstream.token_native:
+        raise bad_request("'prompt_logprobs' needs a token-native upstream (sglang or the embedded engine); "
+                          f"this gateway's is {svc.upstream.kind}", "prompt_logprobs")
     ctx = new_context("text_completion", rollout_id, request.headers)
     return await run_call(svc, parsed, ctx, completion_response, client=request)
 

@@ -210,3 +210,18 @@ def test_openai_upstream_stream_usage_comes_from_its_usage_chunk() -> None:
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "five"
     assert chunks[-1]["usage"] == {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}
     assert (call.input_tokens, call.output_tokens, call.retokenized) == (9, 2, True)
+
+
+def test_prompt_logprobs_through_an_openai_upstream_are_refused_not_dropped() -> None:
+    """The gateway answers prompt logprobs from a token-native upstream's input logprobs; through an
+    OpenAI-compatible one it has none to answer, so the request is a 400 before anything is sent."""
+    with ServerThread(_plain_openai_server()) as upstream:
+        rec = MemoryRecorder()
+        settings = GatewaySettings(upstream_kind="openai", upstream_url=upstream.url, model=MODEL, store_url=None)
+        with ServerThread(create_app(settings, recorder=rec)) as gw:
+            res = httpx.post(gw.url + "/v1/completions", timeout=30,
+                             json={"model": MODEL, "prompt": "2 + 3 =", "max_tokens": 2, "prompt_logprobs": 1})
+    assert res.status_code == 400, res.text
+    assert "token-native upstream" in res.json()["error"]["message"]
+    assert res.json()["error"]["param"] == "prompt_logprobs"
+    assert not rec.records

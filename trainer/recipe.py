@@ -204,8 +204,8 @@ class TrainRecipe(_Section):
         return v
 
     def resolve_paths(self, base: Path) -> TrainRecipe:
-        """Make the recipe's relative paths (data, a local model directory, run_dir, a SQLite store, the
-        offline objectives' dataset files)
+        """Make the recipe's relative paths (data, a local model or teacher directory, run_dir, a SQLite
+        store, the offline objectives' dataset files)
         absolute against ``base``, the recipe's directory; an unset run_dir is ``runs/{name}/{timestamp}``
         under the current directory. ``{name}`` is substituted; ``{run_dir}`` in ``store`` too, unless
         run_dir ends in ``{timestamp}`` (then ``run_dirs.open_run_dir`` picks the directory)."""
@@ -223,6 +223,8 @@ class TrainRecipe(_Section):
             store = store.replace("{run_dir}", str(run_dir))
         sources = {k: getattr(self, k).model_copy(update={"files": [_absolute(f, base) for f in getattr(self, k).files]})
                    for k in ("sft", "dpo")}
+        if self.distill is not None:  # a teacher directory is found as the model's is
+            sources["distill"] = self.distill.model_copy(update={"teacher": _model_path(self.distill.teacher, base)})
         return self.model_copy(
             update={"run_dir": run_dir, "data": data, "store": store, "model": _model_path(self.model, base),
                     **sources}

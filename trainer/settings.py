@@ -407,8 +407,10 @@ class DistillConfig(_Section):
     tokens; per-token advantage = teacher logprob − student logprob."""
 
     teacher: str = Field(
-        description="The teacher: a model name (`smollm2-135m`, ...) or a local directory. It must share the"
-        " student's tokenizer (token-level distillation needs one vocabulary)."
+        description="The teacher: a model name (`smollm2-135m`, ...), a local model directory, or a finished"
+        " run's directory (the newest weights it kept, `keep: weights`); a relative directory is looked for"
+        " beside the recipe, then in the current directory. It must share the student's tokenizer"
+        " (token-level distillation needs one vocabulary)."
     )
     reward_weight: float = Field(
         0.0, ge=0, description="Add this × the rollout's GRPO advantage to every token's advantage (0 = pure distillation)."

@@ -1,5 +1,6 @@
-"""The distillation teacher: prepared like the student, and refused unless it shares the student's
-tokenizer (token-level distillation compares the two models' logprobs of the same token ids)."""
+"""The distillation teacher: prepared like the student (a model name or a model directory), or the newest
+weights a finished run kept (its run directory); refused unless it shares the student's tokenizer
+(token-level distillation compares the two models' logprobs of the same token ids)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,24 @@ def check_teacher(student_dir: Path, teacher_dir: Path, teacher: str) -> None:
     )
 
 
+def kept_weights(run_dir: Path) -> Path | None:
+    """The newest weight version a run directory kept (``weights/v<N>``, ``keep: weights``); None when
+    ``run_dir`` is not a run directory (it has no ``metrics.jsonl``)."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return None
+    versions = [p for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit() and (p / "config.json").is_file()]
+    if not versions:
+        raise RecipeError(f"distill.teacher {str(run_dir)!r} is a run directory that kept no weights: train the"
+                          " teacher with `keep: weights` (or `keep: checkpoint`), or name a model directory")
+    return max(versions, key=lambda p: int(p.name[1:]))
+
+
 def prepare_teacher(teacher: str, student_dir: Path) -> Path:
-    """The teacher's model directory (``prepare_model``), checked against the student's tokenizer."""
+    """The teacher's model directory (``prepare_model``; for a run directory, the newest weights it kept),
+    checked against the student's tokenizer."""
     from tracegym.modelfiles.prepare import prepare_model
 
-    teacher_dir = prepare_model(teacher)
+    local = Path(teacher).expanduser()
+    teacher_dir = (local.is_dir() and kept_weights(local)) or prepare_model(teacher)
     check_teacher(student_dir, teacher_dir, teacher)
     return teacher_dir

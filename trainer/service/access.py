@@ -10,8 +10,9 @@ import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from tracegym.trainer.service.futures import UserFault
 from tracegym.trainer.service.runs import Run
-from tracegym.trainer.service.state import ServiceState
+from tracegym.trainer.service.state import CHECKPOINTS, ServiceState, parse_path
 
 
 class HttpError(Exception):
@@ -52,7 +53,8 @@ class Access:
         self.state, admin = state, state.cfg.admin_key
         given = _key(request)
         self.admin = admin is None or (given is not None and _is(given, admin))
-        self.run_keys = {r.model_id for r in state.runs.values() if given is not None and _is(given, r.key)}
+        self.run_keys = {r.model_id for r in state.keyed_runs() if given is not None and _is(given, r.key)}
+        """The runs this key is the key of (at most one)."""
         if not self.admin and not self.run_keys:
             raise HttpError(
                 401,
@@ -67,6 +69,21 @@ class Access:
     def need_run(self, run: Run | None) -> None:
         if not self.admin and (run is None or run.model_id not in self.run_keys):
             raise HttpError(403, "this key belongs to another run")
+
+    def may_read(self, owner: str | None) -> bool:
+        """Whether this key may read what ``owner`` (a run's ``model_id``; None: the admin) owns."""
+        return self.admin or owner in self.run_keys
+
+    def need_checkpoint(self, path: str) -> None:
+        """403 unless this key may load the saved state at ``path``: the admin key any, a run's key only its
+        own run's (decided from the path alone, so nothing is said about whether another run's exists)."""
+        try:
+            owner, _ = parse_path(path, CHECKPOINTS)
+        except UserFault as e:
+            raise HttpError(400, str(e)) from None
+        if not self.may_read(owner):
+            raise HttpError(403, f"{path} is another run's checkpoint: a run's key loads only its own run's "
+                                 "saved states (the admin key loads any)")
 
 
 def get_run(state: ServiceState, model_id: Any) -> Run:

@@ -4,14 +4,16 @@ calls) over ``ServiceState``. Training and sampling requests answer a future at 
 
 Keys: with an admin key set, every route but the health checks needs it (``X-API-Key``, the SDK's
 header, or ``Authorization: Bearer``), given as it is or with the ``tml-`` prefix the SDK insists on;
-a run's own key (``GET /api/v1/training_runs/{model_id}/key``) works for that run's requests and its
-samplers only. Status codes: 400 bad input, 401/403 keys, 404 unknown run, sampler, version or an
-operation tracegym does not offer, 409 a second client stepping a run (``runs`` says the ordering rule)."""
+a run's own key (``GET /api/v1/training_runs/{model_id}/key``) works for that run's requests, its
+samplers and its own saved states only; a future's result is read by the admin key or its own run's key
+(another run's key is told the request id is unknown). Status codes: 400 bad input, 401/403 keys, 404
+unknown run, sampler, version, request id or an operation tracegym does not offer
+(``not_offered``), 409 a second client stepping a run (``runs`` says the ordering rule)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,14 +22,14 @@ from fastapi.responses import JSONResponse, Response
 from tracegym.trainer.algorithms.registry import UnknownNameError
 from tracegym.trainer.service.access import Access, HttpError, fail, get_run, read_json
 from tracegym.trainer.service.futures import UserFault
+from tracegym.trainer.service.not_offered import add_not_offered_routes
 from tracegym.trainer.service.rest import add_rest_routes
 from tracegym.trainer.service.runs import Run, SeqConflict
-from tracegym.trainer.service.sampling import parse_sample
+from tracegym.trainer.service.sampling_routes import add_sampling_routes
 from tracegym.trainer.service.state import SAMPLER_WEIGHTS, ServiceState, tinker_path
 from tracegym.trainer.service.wire import (
     PROTO,
     BadInput,
-    SampleResult,
     forward_backward_from_json,
     forward_backward_from_proto,
 )
@@ -43,13 +45,21 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "pa
 """What the SDK is told at start: plain API keys, httpx, one forward_backward request per call, custom
 losses run on the client (their gradient comes back as cross_entropy weights)."""
 
-UNSUPPORTED = {
-    "create_custom_loss": "server-side custom losses (custom losses run on the client: forward_backward_custom)",
-    "copy_weights": "copying weights between accounts",
-    "save_weights_external": "exporting weights to external storage",
-    "retrieve_futures": "session-wide future polling (the SDK polls each future)",
-    "auth/token": "JWT exchange (use an API key)",
-}
+
+
+def adam_params(body: dict[str, Any]) -> dict[str, float]:
+    """An ``optim_step``'s AdamW settings: ``ADAM_DEFAULTS`` with the request's ``adam_params`` over them
+    (``ValueError`` naming what is wrong)."""
+    given = body.get("adam_params") or body.get("optim_params") or {}
+    if body.get("optimizer_params") is not None or not isinstance(given, dict):
+        raise ValueError("optim_step takes adam_params (tracegym trains with adamw)")
+    unknown = sorted(set(given) - set(ADAM_DEFAULTS))
+    if unknown:
+        raise ValueError(f"adam_params has no field {unknown[0]!r}; fields: {', '.join(ADAM_DEFAULTS)}")
+    adam = ADAM_DEFAULTS | {k: float(v) for k, v in given.items()}
+    if adam["learning_rate"] < 0 or not 0 <= adam["beta1"] < 1 or not 0 <= adam["beta2"] < 1 or adam["eps"] <= 0:
+        raise ValueError(f"adam_params out of range: {adam} (learning_rate >= 0, betas in [0, 1), eps > 0)")
+    return adam
 
 
 def build_app(make_state: Callable[[], Any]) -> FastAPI:
@@ -80,29 +90,34 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
         Access(state, request).need_run(run)
         return state, body, run
 
-    def submit_ordered(state: ServiceState, run: Run, seq_id: Any, kind: str, work: Callable[[], Any],
-                       check: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Claim the run's ``seq_id``, check the request (400: its turn is passed on unused), then run
-        ``work()`` in its turn as a future."""
+    def claim(run: Run, seq_id: Any) -> int:
+        """The request's turn in the run: its ``seq_id`` (409 when taken), or the next free one."""
         try:
-            seq = run.claim(seq_id if isinstance(seq_id, int) and seq_id > 0 else None)
+            return run.claim(seq_id if isinstance(seq_id, int) and seq_id > 0 else None)
         except SeqConflict as e:
             raise HttpError(409, str(e)) from None
-        gap = state.cfg.gap_timeout
+
+    @contextmanager
+    def checked(state: ServiceState, run: Run, seq: int) -> Iterator[None]:
+        """The checks of a request that holds turn ``seq``: one that fails (400, or the ``HttpError`` it
+        raised) passes the turn on unused, so the run's later requests are not held up."""
         try:
-            if check is not None:
-                check()
-        except (ValueError, UserFault) as e:
+            yield
+        except (ValueError, UserFault, HttpError) as e:
             async def skip() -> None:
-                async with run.ordered(seq, gap):
+                async with run.ordered(seq, state.cfg.gap_timeout):
                     pass
-            state.futures.submit(skip(), "skip")
+            state.futures.submit(skip(), "skip", run.model_id)
+            if isinstance(e, HttpError):
+                raise
             raise HttpError(400, str(e)) from None
 
+    def submit_ordered(state: ServiceState, run: Run, seq: int, kind: str, work: Callable[[], Any]) -> dict[str, Any]:
+        """Run ``work()`` in turn ``seq`` of the run as a future owned by the run."""
         async def ordered() -> Any:
-            async with run.ordered(seq, gap):
+            async with run.ordered(seq, state.cfg.gap_timeout):
                 return await work()
-        return {"request_id": state.futures.submit(ordered(), kind), "model_id": run.model_id}
+        return {"request_id": state.futures.submit(ordered(), kind, run.model_id), "model_id": run.model_id}
 
     # ---------------------------------------------------------------- service, sessions
 
@@ -133,15 +148,17 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request) -> Response:
+        """Release the session's runs (those this key may use) once their queued requests ran."""
         state = svc(request)
-        Access(state, request)
-        for run in [r for r in state.runs.values() if r.model_id.startswith(f"{session_id}:")]:
+        access = Access(state, request)
+        for run in [r for r in state.runs.values()
+                    if r.model_id.startswith(f"{session_id}:") and access.may_read(r.model_id)]:
             seq = run.claim(None)
 
             async def release(run: Run = run, seq: int = seq) -> None:  # after the run's queued requests
                 async with run.ordered(seq, state.cfg.gap_timeout):
                     state.release_run(run)
-            state.futures.submit(release(), "finish")
+            state.futures.submit(release(), "finish", None)
         state.sessions.discard(session_id)
         return Response("null", media_type="application/json")
 
@@ -183,7 +200,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
         async def work() -> dict[str, Any]:
             run = await state.create_run(model_id, lora)
             return {"model_id": run.model_id, "type": "create_model"}
-        return {"request_id": state.futures.submit(work(), "create_model"), "model_id": model_id}
+        return {"request_id": state.futures.submit(work(), "create_model", None), "model_id": model_id}
 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
@@ -212,28 +229,25 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
             raise HttpError(400, str(e)) from None
         run = get_run(state, call.model_id)
         Access(state, request).need_run(run)
+        seq = claim(run, call.seq_id)
+        with checked(state, run, seq):
+            state.check_call(run, call)
 
         async def work() -> bytes | dict[str, Any]:
             outputs, metrics = await state.forward_backward(run, call)
             return {"outputs": outputs, "metrics": metrics}
-        return submit_ordered(state, run, call.seq_id, "forward_backward", work, lambda: state.check_call(run, call))
+        return submit_ordered(state, run, seq, "forward_backward", work)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
         state, body, run = await run_call(request)
-        given = body.get("adam_params") or body.get("optim_params") or {}
-        if body.get("optimizer_params") is not None or not isinstance(given, dict):
-            raise HttpError(400, "optim_step takes adam_params (tracegym trains with adamw)")
-        unknown = sorted(set(given) - set(ADAM_DEFAULTS))
-        if unknown:
-            raise HttpError(400, f"adam_params has no field {unknown[0]!r}; fields: {', '.join(ADAM_DEFAULTS)}")
-        adam = ADAM_DEFAULTS | {k: float(v) for k, v in given.items()}
-        if adam["learning_rate"] < 0 or not 0 <= adam["beta1"] < 1 or not 0 <= adam["beta2"] < 1 or adam["eps"] <= 0:
-            raise HttpError(400, f"adam_params out of range: {adam} (learning_rate >= 0, betas in [0, 1), eps > 0)")
+        seq = claim(run, body.get("seq_id"))
+        with checked(state, run, seq):
+            adam = adam_params(body)
 
         async def work() -> dict[str, Any]:
             return {"metrics": await state.optim_step(run, adam)}
-        return submit_ordered(state, run, body.get("seq_id"), "optim_step", work)
+        return submit_ordered(state, run, seq, "optim_step", work)
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
@@ -241,7 +255,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
         async def work() -> dict[str, Any]:
             return {"path": await state.save_state(run, body.get("path")), "type": "save_weights"}
-        return submit_ordered(state, run, body.get("seq_id"), "save_weights", work)
+        return submit_ordered(state, run, claim(run, body.get("seq_id")), "save_weights", work)
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
@@ -265,20 +279,25 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
                 run = await state.create_run(model_id, None if rank is None else {"rank": rank})
                 await state.load_state(run, path, optimizer)
                 return {"path": path, "model_id": model_id, "type": "load_weights"}
-            return {"request_id": state.futures.submit(create(), "load_weights"), "model_id": model_id}
+            return {"request_id": state.futures.submit(create(), "load_weights", None), "model_id": model_id}
         run = get_run(state, body.get("model_id"))
         access.need_run(run)
+        seq = claim(run, body.get("seq_id"))
+        with checked(state, run, seq):
+            access.need_checkpoint(path)
 
         async def work() -> dict[str, Any]:
             await state.load_state(run, path, optimizer)
             return {"path": path, "model_id": run.model_id, "type": "load_weights"}
-        return submit_ordered(state, run, body.get("seq_id"), "load_weights", work)
+        return submit_ordered(state, run, seq, "load_weights", work)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:
         state, body, run = await run_call(request)
-        if body.get("kind", "snapshot") != "snapshot":
-            raise HttpError(400, "only kind='snapshot' sampling clients are offered (not 'inflight')")
+        seq = claim(run, body.get("seq_id"))
+        with checked(state, run, seq):
+            if body.get("kind", "snapshot") != "snapshot":
+                raise ValueError("only kind='snapshot' sampling clients are offered (not 'inflight')")
 
         async def work() -> dict[str, Any]:
             version = await state.inference.publish(run)
@@ -287,72 +306,17 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
             if body.get("sampling_session_seq_id") is not None:
                 out["sampling_session_id"] = state.new_sampler(version, run, path).sampler_id
             return out
-        return submit_ordered(state, run, body.get("seq_id"), "save_weights_for_sampler", work)
+        return submit_ordered(state, run, seq, "save_weights_for_sampler", work)
 
-    # ---------------------------------------------------------------- sampling
-
-    @app.post("/api/v1/create_sampling_session")
-    async def create_sampling_session(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await read_json(request)
-        access = Access(state, request)
-        try:
-            if body.get("model_path"):
-                sampler = state.sampler_for_path(str(body["model_path"]))
-                access.need_run(sampler.run)
-            else:
-                access.need_admin()
-                state.check_base_model(str(body.get("base_model")))
-                sampler = state.new_sampler("base", None, None)
-        except UserFault as e:
-            raise HttpError(404, str(e)) from None
-        return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
-
-    def _sampler(state: ServiceState, sid: Any) -> Any:
-        sampler = state.samplers.get(str(sid))
-        if sampler is None:
-            raise HttpError(404, f"unknown sampling_session_id {sid!r}: create a sampling client first")
-        return sampler
-
-    @app.get("/api/v1/samplers/{sampler_id}")
-    async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
-        state = svc(request)
-        sampler = _sampler(state, sampler_id)
-        Access(state, request).need_run(sampler.run) if sampler.run else Access(state, request)
-        return {"sampler_id": sampler_id, "base_model": state.cfg.model, "model_path": sampler.model_path}
-
-    @app.post("/api/v1/asample")
-    async def asample(request: Request) -> dict[str, Any]:
-        state, body = svc(request), await read_json(request)
-        if body.get("sampling_session_id") is not None:
-            sampler = _sampler(state, body["sampling_session_id"])
-        elif body.get("model_path"):
-            try:
-                sampler = state.sampler_for_path(str(body["model_path"]))
-            except UserFault as e:
-                raise HttpError(404, str(e)) from None
-        else:
-            raise HttpError(400, "asample needs a sampling_session_id (or a model_path)")
-        access = Access(state, request)
-        if sampler.run is None:
-            access.need_admin()
-        else:
-            access.need_run(sampler.run)
-        try:
-            ask = parse_sample(body, max_length=state.max_length, model=state.cfg.model)
-        except BadInput as e:
-            raise HttpError(400, str(e)) from None
-
-        async def work() -> SampleResult:
-            return await state.sample(sampler, ask)
-        rid = state.futures.submit(work(), "sample")
-        return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{i}" for i in range(ask.n)]}
+    add_sampling_routes(app, svc)
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         state, body = svc(request), await read_json(request)
-        Access(state, request)
+        access = Access(state, request)
         rid = str(body.get("request_id"))
-        if state.futures.get(rid) is None:
+        pending = state.futures.get(rid)
+        if pending is None or not access.may_read(pending.owner):  # another run's: as unknown as a made-up one
             raise HttpError(404, f"unknown request_id {rid!r} (results are kept for an hour)")
         item = await state.futures.wait(rid)
         if item is None:
@@ -376,15 +340,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
             return JSONResponse(encoded)
         return JSONResponse(result)
 
-    @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST"])
-    async def unsupported(rest: str, request: Request) -> JSONResponse:
-        Access(svc(request), request)
-        what = UNSUPPORTED.get(rest.strip("/"))
-        name = rest.split("/")[0]
-        message = (f"tracegym does not offer {what} (/api/v1/{rest})" if what
-                   else f"tracegym does not offer /api/v1/{rest} ({name}); docs/tinker.md lists what it offers")
-        return fail(404, message)
-
+    add_not_offered_routes(app, svc)  # last: its catch-all answers what no route above does
     return app
 
 

@@ -1,12 +1,15 @@
 """The API's futures: every training and sampling request is answered at once with a ``request_id``; its
 work runs as a task owned by the service (a client that disconnects does not cancel it) and the client
 polls ``/api/v1/retrieve_future`` until the result is there. A poll waits up to ``poll_wait`` seconds for
-the task and then answers ``try_again``."""
+the task and then answers ``try_again``.
+
+Request ids are random, and each future records its owner (the run whose key may read its result, or None:
+the admin key only), so one run's key can neither guess nor read another run's results."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable
@@ -23,6 +26,9 @@ class Pending:
     task: asyncio.Task[Any]
     kind: str
     """``forward_backward``, ``sample`` (answered as protobuf when asked), or any other (JSON)."""
+    owner: str | None
+    """The training run (``model_id``) whose key may read the result besides the admin's; None: the admin's
+    only."""
     created: float
 
 
@@ -33,11 +39,11 @@ class FutureStore:
     def __init__(self, *, poll_wait: float = 20.0, keep_s: float = 3600.0, max_kept: int = 10_000) -> None:
         self.poll_wait, self.keep_s, self.max_kept = poll_wait, keep_s, max_kept
         self._items: OrderedDict[str, Pending] = OrderedDict()
-        self._ids = itertools.count(1)
 
-    def submit(self, work: Awaitable[Any], kind: str) -> str:
-        rid = f"req-{next(self._ids)}"
-        self._items[rid] = Pending(asyncio.ensure_future(work), kind, time.monotonic())
+    def submit(self, work: Awaitable[Any], kind: str, owner: str | None) -> str:
+        """Run ``work`` as a task; its request id (random: ids of other runs' requests cannot be guessed)."""
+        rid = f"req-{secrets.token_hex(16)}"
+        self._items[rid] = Pending(asyncio.ensure_future(work), kind, owner, time.monotonic())
         self._expire()
         return rid
 

@@ -71,6 +71,21 @@ def _check_params(params: dict[str, Any]) -> None:
         raise BadInput(f"sampling_params.max_tokens must be an integer >= 1, got {max_tokens!r}")
 
 
+def _check_length(prompt: int, max_tokens: int | None, max_length: int, model: str) -> None:
+    """``BadInput`` when a prompt of ``prompt`` tokens, or it and ``max_tokens`` sampled ones, do not fit
+    the model's context of ``max_length`` tokens (0: unknown, nothing checked)."""
+    if not max_length:
+        return
+    if prompt >= max_length:
+        raise BadInput(f"the prompt has {prompt} tokens; {model}'s context is {max_length} tokens, which must "
+                       f"hold the prompt and at least one sampled token: shorten the prompt to at most "
+                       f"{max_length - 1}")
+    if max_tokens is not None and prompt + max_tokens > max_length:
+        raise BadInput(f"the prompt's {prompt} tokens and max_tokens {max_tokens} make {prompt + max_tokens}, "
+                       f"more than {model}'s context of {max_length} tokens: lower max_tokens to at most "
+                       f"{max_length - prompt} or shorten the prompt")
+
+
 def parse_sample(body: dict[str, Any], *, max_length: int, model: str) -> SampleAsk:
     """The request ``body`` checked (``BadInput`` says what is wrong); ``max_length``: the model's context
     (0: unknown)."""
@@ -83,8 +98,7 @@ def parse_sample(body: dict[str, Any], *, max_length: int, model: str) -> Sample
     for key in NOT_OFFERED:
         if body.get(key) not in (None, False, 0):
             raise BadInput(f"{key} is not supported by tracegym's sampler")
-    if max_length and len(prompt) >= max_length:
-        raise BadInput(f"the prompt has {len(prompt)} tokens; {model} takes fewer than {max_length}")
+    _check_length(len(prompt), params.get("max_tokens"), max_length, model)
     ask = SampleAsk(prompt, params, n, prompt_logprobs=bool(body.get("prompt_logprobs")),
                     topk_prompt=_count(body, "topk_prompt_logprobs", MAX_TOP_LOGPROBS),
                     topk_sample=_count(body, "topk_sample_logprobs", MAX_TOP_LOGPROBS))

@@ -56,7 +56,7 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
 def parse_path(path: str, kind: str) -> tuple[str, str]:
     """``(run, name)`` of ``tinker://RUN/KIND/NAME``; ``UserFault`` for anything else."""
     parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] != kind or not all(parts):
+    if len(parts) != 3 or parts[1] != kind or not all(p.strip(".") for p in parts):
         raise UserFault(f"path {path!r} is not tinker://RUN/{kind}/NAME")
     return parts[0], parts[2]
 
@@ -117,6 +117,14 @@ class ServiceState:
         cfg = TrainConfig(optim=self.cfg.optim, lora=lora_cfg, torch_threads=self.cfg.torch_threads,
                           entropy_tokens=0, **seed)
         return WorkerGroup(self.cfg.model_dir, num_workers=1, train_cfg=cfg, use_ray=False)
+
+    def keyed_runs(self) -> list[Run]:
+        """The runs whose keys work: those with live workers, and those whose session finished while a weight
+        version of theirs is kept (their key still works for their samplers and listings)."""
+        runs = {r.model_id: r for r in self.runs.values()}
+        for p in self.inference.published.values():
+            runs.setdefault(p.run.model_id, p.run)
+        return list(runs.values())
 
     def release_run(self, run: Run) -> None:
         """Free a run's workers (its session finished); its published versions stay sampleable."""
@@ -190,7 +198,9 @@ class ServiceState:
         self.samplers[sid] = Sampler(sid, version, run, model_path)
         return self.samplers[sid]
 
-    def sampler_for_path(self, model_path: str) -> Sampler:
+    def published_at(self, model_path: str) -> tuple[str, Run]:
+        """The weight version at ``tinker://RUN/sampler_weights/VERSION`` and the run that published it
+        (``UserFault``: never published, pruned, or published by another run)."""
         owner, version = parse_path(model_path, SAMPLER_WEIGHTS)
         p = self.inference.published.get(version)
         if p is None:
@@ -198,7 +208,7 @@ class ServiceState:
         assert p is not None
         if p.run.model_id != owner:
             raise UserFault(f"{model_path}: version {version} was published by {p.run.model_id}, not {owner}")
-        return self.new_sampler(version, p.run, model_path)
+        return version, p.run
 
     async def sample(self, sampler: Sampler, ask: SampleAsk) -> SampleResult:
         rollout = f"tinker-{sampler.sampler_id}-{next(sampler.seq)}"

@@ -45,6 +45,10 @@ NOT_OFFERED = {
     "stable_reinforce": "it needs samples recorded with record_stability_info, which tracegym's sampler does "
                         "not record",
     "custom": "server-side custom losses are not offered; forward_backward_custom runs the loss on the client",
+    OBJECTIVE_PREFIX + "dpo": "it needs a frozen reference model, which a run does not hold: run DPO as a "
+                              "forward_backward_custom loss with the reference logprobs from a second run's forward",
+    OBJECTIVE_PREFIX + "distill": "it needs a teacher model, which a run does not hold: score the samples with the "
+                                  "teacher and train importance_sampling on advantages log p_teacher - log q",
 }
 """Loss names of the Tinker API the service refuses, and why."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,15 +40,22 @@ class Service:
         return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
-@pytest.fixture(scope="session")
-def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    state = tmp_path_factory.mktemp("tinker-service")
+@contextmanager
+def tiny_service(state: Path) -> Iterator[Service]:
+    """``tracegym tinker-serve --model tiny-random`` (fp32) with its state under ``state``."""
     port = free_port()
     argv = ["tracegym", "tinker-serve", "--model", MODEL, "--port", str(port), "--state-dir", str(state),
             "--micro-batch-tokens", "4096", "--dtype", "float32", "--log-level", "warning"]
     with start_process(argv, port=port, log_path=state / "service.log", health_path="/healthz", timeout=300,
                        env={"TRACEGYM_ADMIN_KEY": ADMIN_KEY, "TINKER_TELEMETRY": "0"}) as proc:
         yield Service(proc, state)
+
+
+@pytest.fixture(scope="session")
+def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """The service most tests share; its engine serves LoRA versions (the first publish decides)."""
+    with tiny_service(tmp_path_factory.mktemp("tinker-service")) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,12 @@ as the trainer's own step on the same batch."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import orjson
 import pytest
@@ -43,8 +45,13 @@ def test_bad_service_input_is_refused_with_what_is_valid(service: Service) -> No
                                                  "base_model": "Qwen/Qwen3-8B", "lora_config": {"rank": 8}})
         assert r.status_code == 400 and "unknown base model 'Qwen/Qwen3-8B'; this service trains: tiny-random" \
             in r.json()["detail"]
+        r = c.post("/api/v1/create_sampling_session", json={"base_model": "Qwen/Qwen3-8B"})
+        assert r.status_code == 400 and "unknown base model 'Qwen/Qwen3-8B'; this service trains: tiny-random" \
+            in r.json()["detail"]
         r = c.post("/api/v1/copy_weights", json={})
         assert r.status_code == 404 and "tracegym does not offer copying weights" in r.json()["detail"]
+        r = c.post("/api/v1/cancel_future", json={"request_id": "req-0"})
+        assert r.status_code == 404 and "tracegym does not offer cancelling a request" in r.json()["detail"]
         r = c.post("/api/v1/forward_backward", json=fb_body("s-0:train:9", [_sft_datum()]))
         assert r.status_code == 404 and "unknown model_id" in r.json()["detail"]
 
@@ -126,6 +133,67 @@ def test_keys_admin_and_per_run(service: Service) -> None:
         assert r.post("/api/v1/create_model", json={"base_model": MODEL}).status_code == 403
 
 
+def _unknown(c: httpx.Client, rid: str) -> bool:
+    """Whether ``rid`` is answered exactly as a request id that never existed."""
+    r = c.post("/api/v1/retrieve_future", json={"request_id": rid})
+    return r.status_code == 404 and r.json()["detail"] == f"unknown request_id {rid!r} (results are kept for an hour)"
+
+
+def _admin_and_keys(service: Service, runs: int) -> tuple[list[str], list[str]]:
+    with service.client() as c:
+        names = [create_run(c) for _ in range(runs)]
+        return names, [c.get(f"/api/v1/training_runs/{n}/key").json()["key"] for n in names]
+
+
+def test_a_runs_key_reads_only_its_own_runs_results_and_checkpoints(service: Service) -> None:
+    (run, other), (key, other_key) = _admin_and_keys(service, 2)
+    with service.client() as admin:
+        theirs = admin.post("/api/v1/forward_backward", json=fb_body(other, [_sft_datum()]))
+        mine = admin.post("/api/v1/forward_backward", json=fb_body(run, [_sft_datum()]))
+        result(admin, theirs)
+        saved = result(admin, admin.post("/api/v1/save_weights", json={"model_id": other, "path": "theirs"}))["path"]
+    rid = theirs.json()["request_id"]
+    assert re.fullmatch(r"req-[0-9a-f]{32}", rid)  # random: the next one's id cannot be guessed
+    with service.client(key) as r:
+        assert _unknown(r, rid)  # another run's result: not even confirmed to exist
+        assert result(r, mine)["metrics"]["loss:sum"] > 0  # its own run's, though the admin sent it
+        refused = r.post("/api/v1/load_weights", json={"model_id": run, "path": saved, "optimizer": False})
+        assert refused.status_code == 403 and "is another run's checkpoint" in refused.json()["detail"]
+        assert r.post("/api/v1/load_weights", json={"session_id": "x", "path": saved}).status_code == 403
+        r.post(f"/api/v1/sessions/{other.split(':')[0]}/finish")  # not its session's runs to release
+        # the refused load used up its seq_id: the next request runs at once
+        assert result(r, r.post("/api/v1/forward", json=fb_body(run, [_sft_datum()])), timeout=30)["metrics"]
+    with service.client(other_key) as r:
+        assert result(r, theirs)["metrics"]["loss:sum"] > 0
+    with service.client() as admin:
+        assert "error" not in result(admin, admin.post("/api/v1/load_weights", json={
+            "model_id": run, "path": saved, "optimizer": False}))  # the admin key loads any run's state
+        assert result(admin, admin.post("/api/v1/forward", json=fb_body(other, [_sft_datum()])))["metrics"]
+
+
+def test_a_runs_key_samples_its_versions_after_its_session_finished(service: Service) -> None:
+    (run, _), (key, other_key) = _admin_and_keys(service, 2)
+    with service.client() as admin:
+        path = result(admin, admin.post("/api/v1/save_weights_for_sampler", json={"model_id": run}))["path"]
+        admin.post(f"/api/v1/sessions/{run.split(':')[0]}/finish")
+        deadline = time.monotonic() + 30
+        while admin.get(f"/api/v1/training_runs/{run}/key").status_code != 404:  # its workers released
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    body = {"model_path": path, "num_samples": 1, "prompt": {"chunks": [{"tokens": TOKENS[:4]}]},
+            "sampling_params": {"max_tokens": 2}}
+    with service.client(key) as r:
+        sampler = r.post("/api/v1/create_sampling_session", json={"model_path": path})
+        assert sampler.status_code == 200, sampler.text
+        sample = r.post("/api/v1/asample", json=body)
+        assert len(result(r, sample)["sequences"]) == 1
+    with service.client(other_key) as r:
+        assert _unknown(r, sample.json()["request_id"])
+        assert r.post("/api/v1/asample", json=body).status_code == 403
+        sid = sampler.json()["sampling_session_id"]
+        assert r.post("/api/v1/asample", json=body | {"sampling_session_id": sid}).status_code == 403
+
+
 def test_state_saved_and_loaded_into_a_new_run_gives_the_same_logprobs(service: Service) -> None:
     with service.client() as c:
         run = create_run(c)
@@ -146,6 +214,30 @@ def test_state_saved_and_loaded_into_a_new_run_gives_the_same_logprobs(service: 
         assert result(c, missing)["error"].startswith(f"no checkpoint at tinker://{run}/weights/nope")
 
 
+def test_a_state_loaded_with_its_optimizer_steps_on_as_if_never_saved(service: Service) -> None:
+    """Adam's moments (and step count) come back with ``optimizer``: one more step after the load equals one
+    more step of the run that saved it; without them it does not."""
+    step = ADAM | {"learning_rate": 0.05}
+    with service.client() as c:
+        def one_step(run: str) -> None:
+            result(c, c.post("/api/v1/forward_backward", json=fb_body(run, [_sft_datum()])))
+            result(c, c.post("/api/v1/optim_step", json={"model_id": run, "adam_params": step}))
+
+        run = create_run(c)
+        one_step(run)
+        path = result(c, c.post("/api/v1/save_weights", json={"model_id": run, "path": "adam"}))["path"]
+        one_step(run)
+        lps = {}
+        for optimizer in (True, False):
+            loaded = result(c, c.post("/api/v1/load_weights", json={
+                "session_id": session(c), "model_seq_id": 0, "path": path, "optimizer": optimizer}))["model_id"]
+            one_step(loaded)
+            lps[optimizer] = loaded
+        got = {name: result(c, c.post("/api/v1/forward", json=fb_body(name, [_sft_datum()])))
+               ["loss_fn_outputs"][0]["logprobs"]["data"] for name in (run, lps[True], lps[False])}
+    assert got[run] == got[lps[True]] != got[lps[False]]
+
+
 def test_samples_go_through_the_gateway_as_spans_of_the_published_version(service: Service) -> None:
     with service.client() as c:
         run = create_run(c)
@@ -157,6 +249,16 @@ def test_samples_go_through_the_gateway_as_spans_of_the_published_version(servic
             "sampling_session_id": sampler, "seq_id": 0, "num_samples": 2,
             "prompt": {"chunks": [{"tokens": TOKENS[:4], "type": "encoded_text"}]},
             "sampling_params": {"max_tokens": 5, "temperature": 1.0, "seed": 3}}))
+        long = c.post("/api/v1/asample", json={"sampling_session_id": sampler, "num_samples": 1,
+                                                "prompt": {"chunks": [{"tokens": [5] * 8192}]}})
+        assert long.status_code == 400
+        assert "the prompt has 8192 tokens; tiny-random's context is 8192 tokens" in long.json()["detail"]
+        over = c.post("/api/v1/asample", json={"sampling_session_id": sampler, "num_samples": 1,
+                                                "prompt": {"chunks": [{"tokens": [5] * 8000}]},
+                                                "sampling_params": {"max_tokens": 200}})
+        assert over.status_code == 400
+        assert "the prompt's 8000 tokens and max_tokens 200 make 8200, more than tiny-random's context of 8192" \
+            in over.json()["detail"]
     seqs = out["sequences"]
     assert len(seqs) == 2 and all(len(s["tokens"]) == len(s["logprobs"]) >= 1 for s in seqs)
     with service.gateway() as gw:

@@ -1,9 +1,11 @@
 """A run's ordering rule: requests run one at a time in ``seq_id`` order whatever order they arrive in, a
-``seq_id`` taken twice is a conflict, and a gap that is never filled fails the requests behind it."""
+``seq_id`` taken twice is a conflict, and a gap that is never filled fails the requests behind it; futures
+have random ids and record their owner."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -58,8 +60,20 @@ async def test_a_future_runs_on_when_nobody_polls_and_is_answered_later() -> Non
         await asyncio.sleep(0.05)
         return 42
 
-    rid = store.submit(work(), "optim_step")
+    rid = store.submit(work(), "optim_step", "s:train:0")
     assert await store.wait(rid) is None  # still running: try again
     item = await store.wait(rid, timeout=5)
     assert item is not None and item.task.result() == 42
     assert await store.wait("req-unknown") is None
+
+
+async def test_request_ids_are_random_and_each_future_records_its_owner() -> None:
+    store = FutureStore()
+
+    async def work() -> None:
+        return None
+
+    first, second = store.submit(work(), "sample", "s:train:0"), store.submit(work(), "create_model", None)
+    assert all(re.fullmatch(r"req-[0-9a-f]{32}", rid) for rid in (first, second)) and first != second
+    assert (store.get(first).owner, store.get(second).owner) == ("s:train:0", None)  # type: ignore[union-attr]
+    await store.close()

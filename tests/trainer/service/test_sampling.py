@@ -39,6 +39,28 @@ def test_bad_requests_say_what_is_valid(fields: dict[str, Any], message: str) ->
     assert str(e.value).startswith(message)
 
 
+def _sized(prompt: int, max_tokens: int | None) -> dict[str, Any]:
+    return _body(prompt={"chunks": [{"tokens": [5] * prompt}]}, sampling_params={"max_tokens": max_tokens})
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens", "message"), [
+    (64, None, "the prompt has 64 tokens; m's context is 64 tokens, which must hold the prompt and at least one "
+               "sampled token: shorten the prompt to at most 63"),
+    (60, 5, "the prompt's 60 tokens and max_tokens 5 make 65, more than m's context of 64 tokens: lower "
+            "max_tokens to at most 4 or shorten the prompt"),
+])
+def test_a_sample_longer_than_the_context_names_the_lengths(prompt: int, max_tokens: int | None,
+                                                            message: str) -> None:
+    with pytest.raises(BadInput) as e:
+        parse_sample(_sized(prompt, max_tokens), max_length=64, model="m")
+    assert str(e.value) == message
+
+
+def test_a_sample_that_just_fits_the_context_is_taken() -> None:
+    for prompt, max_tokens in ((63, None), (60, 4), (63, 1)):
+        assert len(parse_sample(_sized(prompt, max_tokens), max_length=64, model="m").prompt) == prompt
+
+
 def test_the_completions_body_asks_for_what_the_request_asks() -> None:
     plain = completion_body(_ask(), "m")
     assert plain["logprobs"] == 0 and "prompt_logprobs" not in plain and "top_k" not in plain

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tracegym.trainer.algorithms.registry import UnknownNameError
 from tracegym.trainer.service import steps
 from tracegym.trainer.settings import OptimConfig
 from tracegym.trainer.workers.batches import TrainBatch, TrainSample, plan_step
@@ -33,6 +34,17 @@ def _grads(group: WorkerGroup) -> list[torch.Tensor | None]:
 def _datum(rng: np.random.Generator, n: int, vocab: int = 4000) -> steps.Datum:
     ids = rng.integers(3, vocab, n + 1)
     return steps.Datum(ids[:-1], ids[1:], {"weights": np.ones(n, np.float32)})
+
+
+@pytest.mark.parametrize(("loss", "why"), [
+    ("tracegym/dpo", "it needs a frozen reference model, which a run does not hold"),
+    ("tracegym/distill", "it needs a teacher model, which a run does not hold"),
+])
+def test_objectives_that_need_another_model_are_refused_saying_why(loss: str, why: str) -> None:
+    with pytest.raises(UnknownNameError) as e:
+        steps.check_loss(loss, {})
+    assert str(e.value).startswith(f"unknown loss_fn {loss!r} ({why}")
+    assert str(e.value).endswith("; valid: " + ", ".join(steps.loss_names()))
 
 
 def test_a_failed_forward_backward_leaves_the_earlier_gradients(tiny_model_dir: Path, trainer_imports: None) -> None:

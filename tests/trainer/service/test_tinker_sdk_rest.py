@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,3 +99,25 @@ def test_rest_client_lists_runs_and_checkpoints_and_deletes_them(service: Servic
         rest.publish_checkpoint_from_tinker_path(sampler).result()
     with pytest.raises(tinker.NotFoundError, match="tracegym does not offer checkpoint TTLs"):
         rest.set_checkpoint_ttl_from_tinker_path(sampler, 7200).result()
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda rest: rest.whoami(), RuntimeError, "whoami requires JWT auth, but the server has it disabled"),
+    (lambda rest: rest.get_audit_log(), tinker.NotFoundError, r"tracegym does not offer an audit log"),
+    (lambda rest: rest.get_current_checkpoint_storage_usage(), tinker.NotFoundError,
+     "tracegym does not offer billing or storage usage"),
+    (lambda rest: rest.export_session_trace("s-0"), tinker.NotFoundError,
+     "tracegym does not offer session listings, search, projects or trace exports"),
+    (lambda rest: rest.search_sessions(types.SessionSearchRequest()), tinker.NotFoundError,
+     "tracegym does not offer session listings, search, projects or trace exports"),
+    (lambda rest: rest.assign_session_project("s-0", "p"), tinker.NotFoundError,
+     "tracegym does not offer session listings, search, projects or trace exports"),
+    (lambda rest: rest.get_external_weights_urls("tinker://s-0:train:0/external_weights/w"), tinker.NotFoundError,
+     "tracegym does not offer external weights checkpoints"),
+])
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::tinker.ExperimentalWarning")
+def test_rest_operations_not_offered_answer_what_the_docs_say(service: Service, call: Any, error: type,
+                                                              message: str) -> None:
+    rest = tinker.RestClient(base_url=service.url, api_key="tml-" + ADMIN_KEY)
+    with pytest.raises(error, match=message):
+        call(rest).result()

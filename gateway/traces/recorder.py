@@ -95,6 +95,7 @@ class StoreSpanProcessor(SpanProcessor):
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._batches: queue.Queue[Built | _Flush | None] = queue.Queue(maxsize=pipeline_depth)
         self._wake = threading.Event()
+        self._kicks: set[asyncio.AbstractEventLoop] = set()  # loops with a wake-up scheduled
         self._build_lock = threading.Lock()
         self._write_lock = threading.Lock()  # one export at a time (the write thread's, or the builder's)
         self._flushes = 0  # _Flush markers in ``_queue`` (under ``_flush_lock``)
@@ -133,12 +134,26 @@ class StoreSpanProcessor(SpanProcessor):
             return
         q.append(item)
         if ack is not None:
-            group = self.group
-            group.queued += 1
-            # after the append: a build thread that just took the open group sees this item before it sleeps
-            if (group.built is None or group.expected() <= 0) and not self._wake.is_set():
-                self._wake.set()
+            self.group.queued += 1
+            self._wake_after_this_turn(ack.get_loop())
         elif len(q) >= self.max_batch_size and not self._wake.is_set():
+            self._wake.set()
+
+    def _wake_after_this_turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wake the build thread once the event loop has run the callbacks it is running now (called on the
+        loop's thread): every call that finishes in this turn of the loop (a burst of upstream replies read
+        in one poll) is queued by then and joins one commit, and a call alone waits one turn, microseconds."""
+        if loop in self._kicks:
+            return
+        self._kicks.add(loop)
+        try:
+            loop.call_soon(self._kick, loop)
+        except RuntimeError:  # the loop is closing: wake now
+            self._kick(loop)
+
+    def _kick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._kicks.discard(loop)
+        if not self._wake.is_set():
             self._wake.set()
 
     def _drop(self, reason: str) -> None:

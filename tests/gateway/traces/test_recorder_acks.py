@@ -38,6 +38,31 @@ def test_acks_come_after_the_commit_and_calls_share_commits(store: Store) -> Non
     assert sum(commits) == 200 and len(commits) < 200, commits  # group commit: shared transactions
 
 
+def test_calls_recorded_in_one_turn_of_the_event_loop_share_one_commit(sqlite_url: str) -> None:
+    # No group delay, nobody said to be in flight: the build thread is woken once the loop has run the
+    # callbacks of this turn, not at the first call's record. Each call blocks (GIL released) after its
+    # record, as a busy gateway's other work would: a build thread woken at the first record commits it alone.
+    store = Store.open(sqlite_url)
+    sizes = _commit_sizes(store)
+    rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=0.0)
+
+    async def one(i: int) -> bool:
+        ack = rec.record_durably(make_record(i, rollout_id=f"ro-turn-{i}"))
+        time.sleep(0.02)
+        return await ack
+
+    async def turns() -> list[bool]:  # eight calls' first steps in one turn, then eight more
+        first = await asyncio.gather(*(one(i) for i in range(8)))
+        return first + await asyncio.gather(*(one(i) for i in range(8, 16)))
+
+    try:
+        assert asyncio.run(turns()) == [True] * 16
+    finally:
+        rec.shutdown()
+        store.close()
+    assert sizes == [8, 8]
+
+
 class FailingStore:
     def insert_spans(self, batch: object) -> int:
         raise RuntimeError("database is gone")

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from tracegym.gateway.deps import Services
 from tracegym.gateway.openai_errors import OpenAIError, bad_request
@@ -29,7 +29,13 @@ from tracegym.gateway.proxy.call_context import (
     plan_prompt,
     settled,
 )
-from tracegym.gateway.proxy.streaming import EventWriter, StreamWriter, sse_stream
+from tracegym.gateway.proxy.streaming import (
+    EventWriter,
+    SseResponse,
+    StreamWriter,
+    cancel_on_disconnect,
+    sse_stream,
+)
 from tracegym.gateway.proxy.upstream.base import GenerateResult
 from tracegym.gateway.proxy.validation import ParsedRequest
 
@@ -151,7 +157,7 @@ async def _generate(svc: Services, req: Any, client: Request | None) -> Generate
         return await svc.upstream.generate(req)
     task = asyncio.current_task()
     assert task is not None
-    watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(client, task))
+    watcher = asyncio.get_running_loop().create_task(cancel_on_disconnect(client.receive, task))
     try:
         return await svc.upstream.generate(req)
     except asyncio.CancelledError:
@@ -161,13 +167,6 @@ async def _generate(svc: Services, req: Any, client: Request | None) -> Generate
         raise ClientDisconnect() from None
     finally:
         watcher.cancel()
-
-
-async def _cancel_on_disconnect(client: Request, task: asyncio.Task) -> None:
-    """Once the body is read, the server's ``receive`` returns only when the client disconnects."""
-    while (await client.receive())["type"] != "http.disconnect":
-        pass
-    task.cancel()
 
 
 async def _start_stream(svc: Services, parsed: ParsedRequest, ctx: CallContext, prompt: Prompt, req: Any,
@@ -183,5 +182,4 @@ async def _start_stream(svc: Services, parsed: ParsedRequest, ctx: CallContext, 
     writer = make_writer(svc, parsed, ctx, prompt)
     writer.on_done = lambda: svc.metrics.observe_upstream(svc.upstream.kind, parsed.operation, True,
                                                           time.perf_counter() - started)
-    return StreamingResponse(sse_stream(writer, first, events, svc.settings.commit_timeout_s), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return SseResponse(sse_stream(writer, first, events, svc.settings.commit_timeout_s), headers=SSE_HEADERS)

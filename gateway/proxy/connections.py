@@ -4,8 +4,8 @@ none of these (its keep-alive timeout only starts once a response is sent), so `
 httptools protocol with them added (``limited_protocol``): one timer per connection, re-armed at each
 stage, so a client that trickles its headers or body is answered 408 and closed, and a connection past
 ``max_connections`` is answered 503 and closed before it is read. The same protocol sends a response's
-head and its body in one socket write (``OneWrite``): one system call and one wake-up of the client fewer
-per call."""
+head and its body's first chunk in one socket write (``OneWrite``): one system call and one wake-up of the
+client fewer per call."""
 
 from __future__ import annotations
 
@@ -30,14 +30,18 @@ _FULL = _raw_response(503, "Service Unavailable", "too many open connections: re
 
 class OneWrite:
     """The transport as one response cycle of uvicorn's sees it: the response head (the cycle's first write)
-    is held until the body's first write and both go out as one. Only for a response whose body follows at
-    once: not for a ``HEAD`` request (no body is written), and a chunked head (a stream, whose first chunk
-    may come later) or an interim ``100 Continue`` goes out at once."""
+    is held until the body's first write and both go out as one. Not for a ``HEAD`` request (no body is
+    written); an interim ``100 Continue`` goes out at once. A chunked head (a stream, whose first chunk may
+    come later) is held only until the event loop (``loop``; without one, not at all) has run the callbacks
+    of this turn: a stream whose first chunk is ready (the gateway's SSE streams pull their first upstream
+    event before they start) sends both in one write, and one whose first chunk is not still gets its
+    head at once."""
 
-    __slots__ = ("head", "transport")
+    __slots__ = ("head", "loop", "transport")
 
-    def __init__(self, transport: Any) -> None:
+    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.transport = transport
+        self.loop = loop
         self.head: bytes | None = None
 
     def write(self, data: bytes) -> None:
@@ -45,11 +49,20 @@ class OneWrite:
         if head is not None:
             self.head = None
             self.transport.write(head + data)
-        elif data.startswith(b"HTTP/1.1 ") and not data.startswith(b"HTTP/1.1 100 ") and \
-                b"\r\ntransfer-encoding: chunked\r\n" not in data:
+        elif not data.startswith(b"HTTP/1.1 ") or data.startswith(b"HTTP/1.1 100 "):
+            self.transport.write(data)
+        elif b"\r\ntransfer-encoding: chunked\r\n" not in data:
             self.head = data
+        elif self.loop is not None:
+            self.head = data
+            self.loop.call_soon(self._head_out, data)
         else:
             self.transport.write(data)
+
+    def _head_out(self, head: bytes) -> None:
+        if self.head is head:  # no body was written in the turn that wrote the head
+            self.head = None
+            self.transport.write(head)
 
     def close(self) -> None:
         if self.head is not None:  # a response given up after its head: what was written goes out
@@ -85,7 +98,7 @@ def limited_protocol(header_timeout_s: float, body_timeout_s: float, max_connect
         def on_headers_complete(self) -> None:
             super().on_headers_complete()  # makes the request's cycle and schedules its task
             if self.cycle is not None and self.scope["method"] != "HEAD":
-                self.cycle.transport = OneWrite(self.transport)
+                self.cycle.transport = OneWrite(self.transport, self.loop)
             self._arm(body_timeout_s)
 
         def on_message_complete(self) -> None:

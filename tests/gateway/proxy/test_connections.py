@@ -1,6 +1,7 @@
-"""``connections.OneWrite``: a response's head goes out with its body in one write, while a stream's head, a
-``HEAD`` answer, a bodiless 204 and an interim ``100 Continue`` are not held back (a real uvicorn server
-with ``limited_protocol``)."""
+"""``connections.OneWrite``: a response's head goes out with its body in one write, a stream's head with its
+first chunk when that is written in the same turn of the event loop, and a stream's head whose first chunk
+comes later, a ``HEAD`` answer, a bodiless 204 and an interim ``100 Continue`` are not held back (a real
+uvicorn server with ``limited_protocol``)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,27 @@ def test_head_and_body_are_one_write_and_streams_are_not_held() -> None:
     given_up.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 5\r\n\r\n")
     given_up.close()
     assert t3.writes and t3.closed
+
+
+def test_a_streams_head_waits_for_its_first_chunk_only_in_the_same_turn_of_the_loop() -> None:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+    async def turns() -> tuple[list[bytes], list[bytes]]:
+        loop = asyncio.get_running_loop()
+        ready, late = _Transport(), _Transport()
+        w = OneWrite(ready, loop)
+        w.write(head)
+        w.write(b"5\r\nfirst\r\n")  # the first chunk in the same turn: one write
+        s = OneWrite(late, loop)
+        s.write(head)
+        await asyncio.sleep(0)  # the turn ends without a chunk: the head goes out alone
+        held = list(late.writes)
+        s.write(b"4\r\nlate\r\n")
+        return ready.writes, [*held, b"|", *late.writes[len(held):]]
+
+    ready, late = asyncio.run(turns())
+    assert ready == [head + b"5\r\nfirst\r\n"]
+    assert late == [head, b"|", b"4\r\nlate\r\n"]
 
 
 async def _app(scope, receive, send) -> None:

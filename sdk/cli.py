@@ -128,6 +128,16 @@ def _add_tinker_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="training compute dtype: "
                    "bf16 autocast where this CPU or GPU runs it fast (else fp32); weights and AdamW stay fp32")
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads of the training workers")
+    p.add_argument("--ray", action="store_true", help="run each training run's workers as Ray actors, on a Ray "
+                   "it starts (or joins: --ray-address, $RAY_ADDRESS) as tracegym train does (docs/tinker.md)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR", help="with --ray: join this running cluster "
+                   "(HEAD:6379, ray://HEAD:10001 or auto) instead of starting a Ray; it is left running")
+    p.add_argument("--num-workers", type=int, default=1, metavar="N", help="with --ray: ranks per training run "
+                   "(FSDP2 data parallel, gloo on CPU, NCCL on GPU)")
+    p.add_argument("--cpus-per-worker", type=float, default=None, help="with --ray: CPUs each rank reserves "
+                   "(default 1)")
+    p.add_argument("--gpus-per-worker", type=float, default=None, help="with --ray: GPUs each rank reserves "
+                   "(default 0: CPU ranks)")
     p.add_argument("--admin-key", default=None, help="the key every route but the health check needs "
                    "(default $TRACEGYM_ADMIN_KEY)")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an admin key")

@@ -157,7 +157,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
 
             async def release(run: Run = run, seq: int = seq) -> None:  # after the run's queued requests
                 async with run.ordered(seq, state.cfg.gap_timeout):
-                    state.release_run(run)
+                    await state.release_run(run)
             state.futures.submit(release(), "finish", None)
         state.sessions.discard(session_id)
         return Response("null", media_type="application/json")

@@ -1,5 +1,6 @@
 """``tracegym tinker-serve``: the training service (the Tinker API) on one base model, with its gateway and
-embedded engine started as children (or an existing gateway given with ``--gateway``)."""
+embedded engine started as children (or an existing gateway given with ``--gateway``), and with ``--ray``
+its runs' workers as Ray actors on a Ray it starts or joins (``ray_workers``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def main(args: argparse.Namespace) -> int:
     from tracegym.modelfiles.prepare import prepare_model
     from tracegym.trainer.service.app import build_app
     from tracegym.trainer.service.inference import Inference, start_gateway
+    from tracegym.trainer.service.ray_workers import ray_settings, start_ray, stop_ray
     from tracegym.trainer.service.state import ServiceConfig, ServiceState
     from tracegym.trainer.settings import OptimConfig
 
@@ -41,12 +43,15 @@ def main(args: argparse.Namespace) -> int:
     if bool(args.gateway) != bool(args.gateway_weights_dir):
         raise UserError("--gateway and --gateway-weights-dir go together",
                         "give both (the gateway's URL and its --weights-dir), or neither to start one")
+    ray_cfg = ray_settings(use_ray=args.ray, address=args.ray_address, num_workers=args.num_workers,
+                           cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker)
     state_dir = Path(args.state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(args.model)
     cfg = ServiceConfig(model=args.model, model_dir=model_dir, state_dir=state_dir, admin_key=admin_key,
                         torch_threads=args.torch_threads,
-                        optim=OptimConfig(dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens))
+                        optim=OptimConfig(dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens),
+                        ray=ray_cfg, num_workers=args.num_workers)
     if args.dtype == "bfloat16":
         from tracegym.modelfiles.load import decide_cpu_bf16
 
@@ -73,10 +78,18 @@ def main(args: argparse.Namespace) -> int:
             await state.close()
 
     app = build_app(make_state)
-    print(f"tracegym tinker-serve: {args.model} on http://{args.host}:{args.port} (the tinker SDK: "
-          f"base_url=that URL, api_key='tml-' + the admin key)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
-                lifespan="on", timeout_graceful_shutdown=10)
+    owns_ray = False if ray_cfg is None else start_ray(ray_cfg, args.num_workers)
+    try:
+        if ray_cfg is not None:
+            address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
+            where = f"the Ray cluster at {address}" if address else "a Ray it started"
+            print(f"ray: each training run is {args.num_workers} rank(s) on {where}", flush=True)
+        print(f"tracegym tinker-serve: {args.model} on http://{args.host}:{args.port} (the tinker SDK: "
+              f"base_url=that URL, api_key='tml-' + the admin key)", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
+                    lifespan="on", timeout_graceful_shutdown=10)
+    finally:
+        stop_ray(owns_ray)
     return 0
 
 

@@ -7,22 +7,25 @@ import asyncio
 import itertools
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tracegym.trainer.service import steps
 from tracegym.trainer.service.futures import FutureStore, UserFault
 from tracegym.trainer.service.inference import BASE, Inference
+from tracegym.trainer.service.ray_workers import check_room, rank_error
 from tracegym.trainer.service.runs import Run
 from tracegym.trainer.service.sampling import SampleAsk
 from tracegym.trainer.service.wire import ForwardBackwardCall, SampleResult
-from tracegym.trainer.settings import OptimConfig
+from tracegym.trainer.settings import OptimConfig, RayConfig
 
 CHECKPOINTS = "weights"
 """``tinker://RUN/weights/NAME``: a training state (our checkpoint: model, optimizer, step)."""
 SAMPLER_WEIGHTS = "sampler_weights"
 """``tinker://RUN/sampler_weights/VERSION``: a published weight version."""
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -38,6 +41,11 @@ class ServiceConfig:
     learning rate and Adam's betas come with each ``optim_step``): master weights and AdamW state are fp32,
     ``bfloat16`` autocasts where this machine runs bf16 fast (``modelfiles.load.cpu_compute_dtype``)."""
     gap_timeout: float = 300.0
+    ray: RayConfig | None = None
+    """Each run's ranks as Ray actors on this cluster (the service connected at start: ``ray_workers``),
+    with each rank's CPUs and GPUs; None: each run is one worker in the service's process."""
+    num_workers: int = 1
+    """Ranks per run (FSDP2 data parallel; more than one needs ``ray``)."""
 
 
 @dataclass(slots=True)
@@ -69,6 +77,8 @@ class ServiceState:
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self._sampler_ids = itertools.count(1)
+        self._placing = asyncio.Lock()
+        """Held while a run's workers start: a Ray's free resources are checked, then taken, one run at a time."""
         config = json.loads((cfg.model_dir / "config.json").read_text())
         self.arch = str(config.get("model_type", ""))
         self.max_length = int(config.get("max_position_embeddings") or 0)  # 0: unknown
@@ -98,8 +108,15 @@ class ServiceState:
         if model_id in self.runs:
             raise UserFault(f"model_id {model_id!r} exists already")
         rank = None if lora is None else int(lora["rank"])
-        group = await asyncio.to_thread(self._worker_group, rank, lora)
-        facts = (await asyncio.to_thread(group.run_on_ranks, steps.model_facts))[0]
+        async with self._placing:
+            if self.cfg.ray is not None:
+                await asyncio.to_thread(check_room, self.cfg.num_workers, self.cfg.ray)
+            group = await asyncio.to_thread(self._worker_group, rank, lora)
+        try:
+            facts = (await on_workers(group.run_on_ranks, steps.model_facts))[0]
+        except BaseException:
+            await asyncio.to_thread(group.shutdown)
+            raise
         run = Run(model_id, self.cfg.model, rank, group, self.cfg.model_dir, facts)
         self.runs[model_id] = run
         return run
@@ -116,7 +133,8 @@ class ServiceState:
         seed = {} if lora is None or lora.get("seed") is None else {"seed": int(lora["seed"])}
         cfg = TrainConfig(optim=self.cfg.optim, lora=lora_cfg, torch_threads=self.cfg.torch_threads,
                           entropy_tokens=0, **seed)
-        return WorkerGroup(self.cfg.model_dir, num_workers=1, train_cfg=cfg, use_ray=False)
+        return WorkerGroup(self.cfg.model_dir, num_workers=self.cfg.num_workers, train_cfg=cfg,
+                           use_ray=self.cfg.ray is not None, ray_settings=self.cfg.ray)
 
     def keyed_runs(self) -> list[Run]:
         """The runs whose keys work: those with live workers, and those whose session finished while a weight
@@ -126,10 +144,10 @@ class ServiceState:
             runs.setdefault(p.run.model_id, p.run)
         return list(runs.values())
 
-    def release_run(self, run: Run) -> None:
+    async def release_run(self, run: Run) -> None:
         """Free a run's workers (its session finished); its published versions stay sampleable."""
         self.runs.pop(run.model_id, None)
-        run.group.shutdown()
+        await asyncio.to_thread(run.group.shutdown)
 
     # ---------------------------------------------------------------- training operations
 
@@ -154,23 +172,23 @@ class ServiceState:
 
     async def forward_backward(self, run: Run, call: ForwardBackwardCall) -> tuple[list, dict[str, float]]:
         fn = steps.forward if call.forward_only else steps.forward_backward
-        out = await asyncio.to_thread(run.group.run_on_ranks, fn, call.data, call.loss_fn, call.loss_fn_config)
-        return out[0]
+        out = await on_workers(run.group.run_on_ranks, fn, call.data, call.loss_fn, call.loss_fn_config)
+        return steps.merge_ranks(out)
 
     async def optim_step(self, run: Run, adam: dict[str, float]) -> dict[str, float]:
         try:
-            out = await asyncio.to_thread(run.group.run_on_ranks, steps.optim_step, adam)
+            out = await on_workers(run.group.run_on_ranks, steps.optim_step, adam)
         except steps.NoGradientsError as e:
             raise UserFault(str(e)) from None
         return out[0]
 
     async def save_state(self, run: Run, name: str | None) -> str:
-        name = name or f"step-{run.group.step:06d}"
+        name = name or f"step-{await on_workers(lambda: run.group.step):06d}"
         if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
             raise UserFault(f"checkpoint name {name!r} must be letters, digits, '-', '_' and '.'")
         d = self.cfg.state_dir / "checkpoints" / run.safe_id / name
         extra = {"base_model": run.base_model, "lora_rank": run.lora_rank, "model_id": run.model_id}
-        await asyncio.to_thread(run.group.save_checkpoint, d, extra)
+        await on_workers(run.group.save_checkpoint, d, extra)
         return tinker_path(run.model_id, CHECKPOINTS, name)
 
     def checkpoint_dir(self, path: str) -> tuple[Path, dict[str, Any]]:
@@ -186,9 +204,9 @@ class ServiceState:
         if extra.get("lora_rank") != run.lora_rank:
             raise UserFault(f"{path} was saved by a run with LoRA rank {extra.get('lora_rank')}, this run has "
                             f"{run.lora_rank}: create a training client from that state instead")
-        await asyncio.to_thread(run.group.load_checkpoint, d)
+        await on_workers(run.group.load_checkpoint, d)
         if not optimizer:
-            await asyncio.to_thread(run.group.run_on_ranks, steps.reset_optimizer)
+            await on_workers(run.group.run_on_ranks, steps.reset_optimizer)
 
     # ---------------------------------------------------------------- sampling
 
@@ -216,9 +234,21 @@ class ServiceState:
 
     async def close(self) -> None:
         await self.futures.close()
-        for run in self.runs.values():
-            run.group.shutdown()
+        for run in list(self.runs.values()):
+            await asyncio.to_thread(run.group.shutdown)
         await self.inference.close()
+
+
+async def on_workers(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` (a call of a run's ``WorkerGroup``) in a thread; what a rank raised is raised as the
+    rank raised it, on Ray as in-process (``ray_workers.rank_error``)."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except Exception as e:
+        cause = rank_error(e)
+        if cause is e:
+            raise
+        raise cause from e
 
 
 def lora_targets(model_dir: Path, lora: dict[str, Any]) -> list[str] | None:

@@ -14,6 +14,12 @@ tokens as one trainer step aggregates over its batch).
 
 All-or-nothing: a ``forward_backward`` that fails part-way leaves the gradients it found; the ones it
 made are dropped (its own gradients are summed into the earlier ones only when every micro-batch ran).
+
+Several ranks (FSDP2, Ray actors): every rank is given the whole call and runs its share of the datums
+(``rank_plan``: balanced by tokens, as the trainer splits a batch), padded with empty micro-batches to the
+count every rank runs, since each forward and backward is a collective. FSDP2 averages the ranks'
+gradients, so each rank's backward is of its partial sum times the world size: the step sees the
+gradient of the whole call's loss, as on one rank. ``merge_ranks`` puts the ranks' answers together.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from tracegym.trainer.algorithms.objectives import sft_loss
 from tracegym.trainer.algorithms.optim import build_optimizer
 from tracegym.trainer.algorithms.registry import UnknownNameError, lookup
 from tracegym.trainer.settings import AlgorithmConfig
-from tracegym.trainer.workers.batches import MicroBatch
+from tracegym.trainer.workers.batches import MicroBatch, split_across_ranks
+from tracegym.trainer.workers.fsdp import full_tensor
 from tracegym.trainer.workers.worker import TrainWorker, token_logprobs
 
 OBJECTIVE_PREFIX = "tracegym/"
@@ -97,18 +104,26 @@ class Datum:
     """float32 ``[n]`` each: ``weights``, ``advantages``, ``logprobs`` (the sampler's), ..."""
 
 
-def _micro_batches(data: list[Datum], budget: int) -> list[list[int]]:
-    """Consecutive datums, at most ``budget`` tokens each (a longer datum alone)."""
+def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Positions in ``lengths``, consecutive, at most ``budget`` tokens a group (a longer one alone)."""
     groups: list[list[int]] = [[]]
     tokens = 0
-    for i, d in enumerate(data):
-        n = len(d.tokens) + 1
+    for i, n in enumerate(lengths):
         if groups[-1] and tokens + n > budget:
             groups.append([])
             tokens = 0
         groups[-1].append(i)
         tokens += n
     return groups
+
+
+def rank_plan(lengths: list[int], rank: int, world_size: int, budget: int) -> tuple[list[list[int]], int]:
+    """Rank ``rank``'s micro-batches (datum indices, in the call's order; ``lengths`` are the rows' token
+    counts) and the count every rank runs. One rank: the call's datums in order, in consecutive groups."""
+    shares = split_across_ranks(lengths, world_size)
+    plans = [[[share[j] for j in g] for g in _micro_batches([lengths[i] for i in share], budget)] if share else []
+             for share in shares]
+    return plans[rank], max(len(p) for p in plans)
 
 
 def _collate(rows: list[Datum], names: tuple[str, ...], defaults: dict[str, float],
@@ -148,6 +163,7 @@ def _loss_inputs(loss: str) -> tuple[tuple[str, ...], dict[str, float]]:
 
 def _run(worker: TrainWorker, data: list[Datum], loss: str, config: dict[str, float | str],
          backward: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+    """This rank's share of the call: ``{}`` for the other ranks' datums, and its partial sums."""
     names, defaults = _loss_inputs(loss)
     objective = loss[len(OBJECTIVE_PREFIX):] if loss.startswith(OBJECTIVE_PREFIX) else None
     algo = objective_config(config) if objective else None
@@ -156,9 +172,14 @@ def _run(worker: TrainWorker, data: list[Datum], loss: str, config: dict[str, fl
         masks = [torch.from_numpy((np.asarray(d.inputs.get("weights", 0.0)) > 0).astype(np.float32))[None]
                  for d in data]
         scales = loss_scales(*masks)
+    plan, n_micro = rank_plan([len(d.tokens) + 1 for d in data], worker.rank, worker.world_size,
+                              worker.cfg.optim.micro_batch_tokens)
     outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
     total, tokens = 0.0, 0.0
-    for group in _micro_batches(data, worker.cfg.optim.micro_batch_tokens):
+    for group in plan + [[] for _ in range(n_micro - len(plan))]:
+        if not group:
+            _empty_micro_batch(worker, backward)
+            continue
         mb, inputs, valid = _collate([data[i] for i in group], names, defaults, worker.pad_id)
         mb = mb.to(worker.device)
         inputs = {k: v.to(worker.device) for k, v in inputs.items()}
@@ -177,7 +198,7 @@ def _run(worker: TrainWorker, data: list[Datum], loss: str, config: dict[str, fl
             per_token = DATUM_LOSSES[loss].fn(logprobs, inputs, config) * valid
             value = masked_sum(per_token, valid)
         if backward:
-            value.backward()
+            (value if worker.world_size == 1 else value * worker.world_size).backward()
         total += float(value.detach())
         tokens += float(valid.sum())
         lp, el = logprobs.detach().float().cpu().numpy(), per_token.detach().float().cpu().numpy()
@@ -185,6 +206,26 @@ def _run(worker: TrainWorker, data: list[Datum], loss: str, config: dict[str, fl
             n = len(data[i].tokens)
             outputs[i] = {"logprobs": lp[row, :n].copy(), "elementwise_loss": el[row, :n].copy()}
     return outputs, {"loss:sum": total, "tokens:sum": tokens}
+
+
+def _empty_micro_batch(worker: TrainWorker, backward: bool) -> None:
+    """A rank with fewer micro-batches than the others: a one-token forward (and a zero backward) so
+    that its collectives match theirs."""
+    pad = np.array([worker.pad_id], dtype=np.int64)
+    mb, _, _ = _collate([Datum(pad, pad)], (), {}, worker.pad_id)
+    mb = mb.to(worker.device)
+    logprobs = token_logprobs(worker._forward(worker.model, mb), mb.targets)
+    if backward:
+        (logprobs.sum() * 0.0).backward()
+
+
+def merge_ranks(per_rank: list[tuple[list[dict[str, np.ndarray]], dict[str, float]]]
+                ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+    """The call's answer from every rank's ``forward`` / ``forward_backward``: each datum's outputs from
+    the rank that ran it, the metrics summed over ranks."""
+    outputs = [next((o for o in column if o), {}) for column in zip(*(out for out, _ in per_rank), strict=True)]
+    metrics = {k: sum(m[k] for _, m in per_rank) for k in per_rank[0][1]}
+    return outputs, metrics
 
 
 def _trainable(worker: TrainWorker) -> list[torch.nn.Parameter]:
@@ -237,7 +278,7 @@ def optim_step(worker: TrainWorker, adam: dict[str, float]) -> dict[str, float]:
         g["eps"] = adam["eps"]
         g["weight_decay"] = adam["weight_decay"]
     clip = adam["grad_clip_norm"] if adam["grad_clip_norm"] > 0 else float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+    grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(params, clip)))
     finite = bool(np.isfinite(grad_norm))
     if finite:
         worker.optimizer.step()

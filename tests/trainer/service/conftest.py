@@ -34,20 +34,23 @@ class Service:
 
     def gateway(self) -> httpx.Client:
         """The gateway the service started (its URL is in the service's log)."""
-        url = next(line.split(": ")[1].split()[0] for line in self.proc.log().splitlines()
+        log = self.proc.log(tail=10**7)  # the whole log: the line is near its start
+        url = next(line.split(": ")[1].split()[0] for line in log.splitlines()
                    if line.startswith("gateway (the store"))
         key = (self.state_dir / "gateway_key").read_text().strip()
         return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
 
 @contextmanager
-def tiny_service(state: Path) -> Iterator[Service]:
-    """``tracegym tinker-serve --model tiny-random`` (fp32) with its state under ``state``."""
+def tiny_service(state: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Service]:
+    """``tracegym tinker-serve --model tiny-random`` (fp32) with its state under ``state``, and ``flags``
+    and ``env`` besides."""
     port = free_port()
     argv = ["tracegym", "tinker-serve", "--model", MODEL, "--port", str(port), "--state-dir", str(state),
-            "--micro-batch-tokens", "4096", "--dtype", "float32", "--log-level", "warning"]
+            "--micro-batch-tokens", "4096", "--dtype", "float32", "--log-level", "warning", *flags]
+    env = {"TRACEGYM_ADMIN_KEY": ADMIN_KEY, "TINKER_TELEMETRY": "0", **(env or {})}
     with start_process(argv, port=port, log_path=state / "service.log", health_path="/healthz", timeout=300,
-                       env={"TRACEGYM_ADMIN_KEY": ADMIN_KEY, "TINKER_TELEMETRY": "0"}) as proc:
+                       env=env) as proc:
         yield Service(proc, state)
 
 

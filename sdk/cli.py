@@ -110,7 +110,9 @@ def _add_serve_security(p: argparse.ArgumentParser) -> None:
 def _add_tinker_serve(sub: argparse._SubParsersAction) -> None:
     p = _parser(sub, "tinker-serve", "run the training service: the Tinker API (the tinker SDK's base_url) over "
                 "the trainer, every sample a span in the store (docs/tinker.md)")
-    p.add_argument("--model", required=True, help="the base model it trains and samples (tracegym models)")
+    p.add_argument("--model", required=True, action="append", help="a base model it trains and samples "
+                   "(tracegym models); repeat it to serve several, each on its own gateway and engine (the first "
+                   "is the default)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8100, help="port to listen on")
     p.add_argument("--state-dir", default="tinker-service", help="checkpoints, published weights, logs, the "
@@ -121,8 +123,8 @@ def _add_tinker_serve(sub: argparse._SubParsersAction) -> None:
                    "of starting one (its key: $TRACEGYM_GATEWAY_KEY)")
     p.add_argument("--gateway-weights-dir", default=None, metavar="DIR", help="that gateway's --weights-dir "
                    "(published weights are written under DIR/tinker)")
-    p.add_argument("--keep", type=int, default=4, help="published weight versions kept on disk (older "
-                   "samplers are refused)")
+    p.add_argument("--keep", type=int, default=4, help="published weight versions kept on disk, per base model "
+                   "(older samplers are refused)")
     p.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget of one forward/backward "
                    "micro-batch")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="training compute dtype: "

@@ -171,10 +171,8 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
     async def capabilities(request: Request) -> dict[str, Any]:
         state = svc(request)
         Access(state, request)
-        runs = list(state.runs.values())
-        max_len = runs[0].facts["max_length"] if runs else state.max_length
-        return {"supported_models": [{"model_name": m, "max_context_length": max_len, "trainable": True,
-                                      "sampleable": True} for m in state.model_names()],
+        return {"supported_models": [{"model_name": m.name, "max_context_length": m.max_length, "trainable": True,
+                                      "sampleable": True} for m in state.cfg.models],
                 "losses": _loss_names()}
 
     # ---------------------------------------------------------------- training runs
@@ -184,7 +182,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
         state, body = svc(request), await read_json(request)
         Access(state, request).need_admin()
         try:
-            state.check_base_model(str(body.get("base_model")))
+            base_model = state.base_model(body.get("base_model")).name
         except UserFault as e:
             raise HttpError(400, str(e)) from None
         opt = (body.get("optimizer_config") or {}).get("type", "adamw")
@@ -198,7 +196,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
             raise HttpError(409, f"model_id {model_id!r} exists already: use a new model_seq_id")
 
         async def work() -> dict[str, Any]:
-            run = await state.create_run(model_id, lora)
+            run = await state.create_run(model_id, base_model, lora)
             return {"model_id": run.model_id, "type": "create_model"}
         return {"request_id": state.futures.submit(work(), "create_model", None), "model_id": model_id}
 
@@ -207,7 +205,7 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
         state, _, run = await run_call(request)
         return {"type": "get_info", "model_id": run.model_id, "is_lora": run.lora_rank is not None,
                 "lora_rank": run.lora_rank, "model_name": run.base_model,
-                "model_data": {"arch": state.arch, "model_name": run.base_model,
+                "model_data": {"arch": state.models[run.base_model].arch, "model_name": run.base_model,
                                "tokenizer_id": str(run.model_dir)}}
 
     @app.get("/api/v1/training_runs/{model_id}/key")
@@ -270,13 +268,13 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
                 if body.get("base_model") not in (None, extra.get("base_model")):
                     raise UserFault(f"{path} was trained from {extra.get('base_model')!r}, not "
                                     f"{body.get('base_model')!r}")
-                state.check_base_model(str(extra.get("base_model")))
+                base_model = state.base_model(str(extra.get("base_model"))).name
             except UserFault as e:
                 raise HttpError(400, str(e)) from None
             rank = extra.get("lora_rank")
 
             async def create() -> dict[str, Any]:
-                run = await state.create_run(model_id, None if rank is None else {"rank": rank})
+                run = await state.create_run(model_id, base_model, None if rank is None else {"rank": rank})
                 await state.load_state(run, path, optimizer)
                 return {"path": path, "model_id": model_id, "type": "load_weights"}
             return {"request_id": state.futures.submit(create(), "load_weights", None), "model_id": model_id}
@@ -300,11 +298,11 @@ def build_app(make_state: Callable[[], Any]) -> FastAPI:
                 raise ValueError("only kind='snapshot' sampling clients are offered (not 'inflight')")
 
         async def work() -> dict[str, Any]:
-            version = await state.inference.publish(run)
+            version = await state.publish(run)
             path = tinker_path(run.model_id, SAMPLER_WEIGHTS, version)
             out: dict[str, Any] = {"path": path, "type": "save_weights_for_sampler"}
             if body.get("sampling_session_seq_id") is not None:
-                out["sampling_session_id"] = state.new_sampler(version, run, path).sampler_id
+                out["sampling_session_id"] = state.new_sampler(run.base_model, version, run, path).sampler_id
             return out
         return submit_ordered(state, run, seq, "save_weights_for_sampler", work)
 

@@ -1,5 +1,6 @@
-"""The service's inference side: the gateway (with its engine) that samples are drawn through, so each is a
-span in the store, and the weight versions the service publishes into that engine.
+"""The inference side of one base model: the gateway (with its engine) that its samples are drawn through,
+so each is a span in the store, and the weight versions the service publishes into that engine (a service
+of several base models has one of these per model: ``models.Engines``).
 
 One engine serves one set of weights at a time. A sampler is bound to a version; a sample for a version
 the engine does not serve waits until the samples in flight are done, then the service swaps that
@@ -11,9 +12,12 @@ first publish."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import re
 import secrets
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +47,13 @@ class Published:
 
 
 class Inference:
+    """One engine (behind its gateway), the model it serves and the weight versions kept for it.
+    ``versions`` numbers its versions; the service shares one counter among its engines, so that version
+    names are unique across the service."""
+
     def __init__(self, gateway_url: str, admin_key: str | None, weights_root: Path, served_model: str, *,
-                 keep: int = 4, proc: ManagedProcess | None = None, timeout: float = 600.0) -> None:
+                 keep: int = 4, proc: ManagedProcess | None = None, timeout: float = 600.0,
+                 versions: Iterator[int] | None = None) -> None:
         self.gateway_url, self.admin_key, self.root = gateway_url.rstrip("/"), admin_key, weights_root
         self.served_model, self.keep, self.proc, self.timeout = served_model, keep, proc, timeout
         self.serving = BASE
@@ -52,7 +61,7 @@ class Inference:
         """``lora`` or ``full``: what this engine's versions are, fixed by the first publish."""
         self.published: dict[str, Published] = {}
         self._order: list[str] = []
-        self._next_version = 1
+        self._versions = itertools.count(1) if versions is None else versions
         self._cond = asyncio.Condition()
         self._inflight = 0
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
@@ -82,8 +91,7 @@ class Inference:
                             f"{'LoRA' if self.mode == 'lora' else 'full fine-tuning'} runs here, or start another "
                             "service for this run")
         self.mode = kind
-        version = str(self._next_version)
-        self._next_version += 1
+        version = str(next(self._versions))
         sync = self.sync_for(run)
         out = sync.version_dir(version)
         files = await asyncio.to_thread(sync.save, run.group, out)
@@ -106,7 +114,7 @@ class Inference:
         """Remove a published version and its files (``LookupError`` if it has none; ``UserFault`` for the
         version the engine serves now, whose files a swap back would need)."""
         if version not in self.published:
-            raise LookupError(f"no weight version {version!r} is kept (kept: {', '.join(self._order) or 'none'})")
+            raise LookupError(f"no weight version {version!r} is kept (kept: {self.kept()})")
         if version == self.serving:
             raise UserFault(f"weight version {version} is the one the engine serves now: publish another version "
                             "before deleting it")
@@ -122,10 +130,13 @@ class Inference:
                                 "service for the base model")
             return
         if version not in self.published:
-            known = ", ".join(self._order) or "none yet"
             raise UserFault(f"weight version {version!r} was never published or its files were pruned (the "
-                            f"service keeps the last {self.keep}; kept: {known}): publish with "
+                            f"service keeps the last {self.keep}; kept: {self.kept()}): publish with "
                             "save_weights_for_sampler / save_weights_and_get_sampling_client")
+
+    def kept(self) -> str:
+        """The kept versions, oldest first, as text."""
+        return ", ".join(self._order) or "none yet"
 
     async def _swap_to(self, version: str) -> None:
         async with self._cond:
@@ -171,17 +182,29 @@ class Inference:
             self.proc.stop()
 
 
-def start_gateway(model: str, state_dir: Path, store: str, *, log_level: str = "warning") -> tuple[ManagedProcess, str, Path]:
-    """``tracegym serve --engine embedded --model MODEL`` as a child: (process, its admin key, its weights
-    root). The key travels in the child's environment, never on its command line."""
-    port = free_port()
+def start_gateways(models: list[str], state_dir: Path, store: str, *, log_level: str = "warning"
+                   ) -> tuple[dict[str, ManagedProcess], str, Path]:
+    """A gateway with its embedded engine (``tracegym serve --engine embedded --model MODEL``) for each of
+    ``models``, started one after the other, all on one store, one admin key and one weights root: (each
+    model's process, the key, the root). The key travels in the children's environment, never on a command
+    line. Logs: ``logs/gateway.log`` for the first model, ``logs/gateway-MODEL.log`` for the others. If one
+    fails to start, those already started are stopped and the error raised."""
     key = secrets.token_urlsafe(32)
     root = (state_dir / "weights").resolve()
     root.mkdir(parents=True, exist_ok=True)
-    argv = ["tracegym", "serve", "--engine", "embedded", "--model", model, "--port", str(port),
-            "--log-level", log_level]
     env = {"TRACEGYM_ADMIN_KEY": key, "TRACEGYM_STORE_URL": store, "TRACEGYM_WEIGHTS_DIR": str(root)}
     env |= {k: v for k in ("TRACEGYM_ENGINE_THREADS",) if (v := os.environ.get(k))}
-    proc = start_process(argv, port=port, log_path=state_dir / "logs" / "gateway.log", health_path="/healthz",
-                         name="gateway", env=env, timeout=300)
-    return proc, key, root
+    procs: dict[str, ManagedProcess] = {}
+    try:
+        for i, model in enumerate(models):
+            port = free_port()
+            argv = ["tracegym", "serve", "--engine", "embedded", "--model", model, "--port", str(port),
+                    "--log-level", log_level]
+            log = "gateway.log" if i == 0 else f"gateway-{re.sub(r'[^A-Za-z0-9._-]', '_', model)}.log"
+            procs[model] = start_process(argv, port=port, log_path=state_dir / "logs" / log, health_path="/healthz",
+                                         name=f"gateway of {model}", env=env, timeout=300)
+    except BaseException:
+        for proc in procs.values():
+            proc.stop()
+        raise
+    return procs, key, root

@@ -1,6 +1,7 @@
-"""``tracegym tinker-serve``: the training service (the Tinker API) on one base model, with its gateway and
-embedded engine started as children (or an existing gateway given with ``--gateway``), and with ``--ray``
-its runs' workers as Ray actors on a Ray it starts or joins (``ray_workers``)."""
+"""``tracegym tinker-serve``: the training service (the Tinker API) on one or more base models (``--model``,
+repeatable), each with its own gateway and embedded engine started as children at start (or, for one model,
+an existing gateway given with ``--gateway``), and with ``--ray`` its runs' workers as Ray actors on a Ray it
+starts or joins (``ray_workers``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import argparse
 import asyncio
 import contextlib
 import ipaddress
+import itertools
 import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tracegym.errors import UserError
+
+if TYPE_CHECKING:
+    from tracegym.trainer.service.models import Engines
 
 
 def _loopback(host: str) -> bool:
@@ -30,7 +36,8 @@ def main(args: argparse.Namespace) -> int:
 
     from tracegym.modelfiles.prepare import prepare_model
     from tracegym.trainer.service.app import build_app
-    from tracegym.trainer.service.inference import Inference, start_gateway
+    from tracegym.trainer.service.inference import Inference
+    from tracegym.trainer.service.models import BaseModel, Engines
     from tracegym.trainer.service.ray_workers import ray_settings, start_ray, stop_ray
     from tracegym.trainer.service.state import ServiceConfig, ServiceState
     from tracegym.trainer.settings import OptimConfig
@@ -43,12 +50,13 @@ def main(args: argparse.Namespace) -> int:
     if bool(args.gateway) != bool(args.gateway_weights_dir):
         raise UserError("--gateway and --gateway-weights-dir go together",
                         "give both (the gateway's URL and its --weights-dir), or neither to start one")
+    names = check_model_names(args.model, args.gateway)
     ray_cfg = ray_settings(use_ray=args.ray, address=args.ray_address, num_workers=args.num_workers,
                            cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker)
     state_dir = Path(args.state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_model(args.model)
-    cfg = ServiceConfig(model=args.model, model_dir=model_dir, state_dir=state_dir, admin_key=admin_key,
+    models = [BaseModel.read(name, prepare_model(name)) for name in names]
+    cfg = ServiceConfig(models=models, state_dir=state_dir, admin_key=admin_key,
                         torch_threads=args.torch_threads,
                         optim=OptimConfig(dtype=args.dtype, micro_batch_tokens=args.micro_batch_tokens),
                         ray=ray_cfg, num_workers=args.num_workers)
@@ -61,16 +69,12 @@ def main(args: argparse.Namespace) -> int:
     async def make_state() -> AsyncIterator[ServiceState]:
         if args.gateway:
             key = os.environ.get("TRACEGYM_GATEWAY_KEY") or os.environ.get("TRACEGYM_API_KEY")
-            inference = Inference(args.gateway, key, Path(args.gateway_weights_dir) / "tinker", args.model,
-                                  keep=args.keep)
+            engines = Engines({names[0]: Inference(args.gateway, key, Path(args.gateway_weights_dir) / "tinker",
+                                                   names[0], keep=args.keep)})
         else:
             store = args.store or os.environ.get("TRACEGYM_STORE_URL") or f"sqlite:///{state_dir / 'tracegym.db'}"
-            proc, key, root = start_gateway(args.model, state_dir, store)
-            print(f"gateway (the store, the trace inspector at /ui): {proc.base_url} "
-                  f"(admin key in {state_dir / 'gateway_key'})", flush=True)
-            _write_private(state_dir / "gateway_key", key)
-            inference = Inference(proc.base_url, key, root, args.model, keep=args.keep, proc=proc)
-        state = ServiceState(cfg, inference)
+            engines = _start_engines(names, state_dir, store, args.keep)
+        state = ServiceState(cfg, engines)
         await asyncio.to_thread(_warm_imports)
         try:
             yield state
@@ -84,13 +88,40 @@ def main(args: argparse.Namespace) -> int:
             address = ray_cfg.address or os.environ.get("RAY_ADDRESS")
             where = f"the Ray cluster at {address}" if address else "a Ray it started"
             print(f"ray: each training run is {args.num_workers} rank(s) on {where}", flush=True)
-        print(f"tracegym tinker-serve: {args.model} on http://{args.host}:{args.port} (the tinker SDK: "
+        print(f"tracegym tinker-serve: {', '.join(names)} on http://{args.host}:{args.port} (the tinker SDK: "
               f"base_url=that URL, api_key='tml-' + the admin key)", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=False,
                     lifespan="on", timeout_graceful_shutdown=10)
     finally:
         stop_ray(owns_ray)
     return 0
+
+
+def check_model_names(given: list[str], gateway: str | None) -> list[str]:
+    """The ``--model`` names, checked: each once, and only one with ``--gateway``."""
+    dup = next((m for m in given if given.count(m) > 1), None)
+    if dup is not None:
+        raise UserError(f"--model {dup} is given twice", "name each base model once")
+    if gateway and len(given) > 1:
+        raise UserError(f"--gateway samples one model; {len(given)} --model given",
+                        "give one --model with --gateway, or leave --gateway out to start a gateway per model")
+    return given
+
+
+def _start_engines(names: list[str], state_dir: Path, store: str, keep: int) -> Engines:
+    """A gateway with its embedded engine per model (``inference.start_gateways``), their addresses printed
+    and their admin key written to ``state_dir/gateway_key``; weight versions numbered across them."""
+    from tracegym.trainer.service.inference import Inference, start_gateways
+    from tracegym.trainer.service.models import Engines
+
+    procs, key, root = start_gateways(names, state_dir, store)
+    _write_private(state_dir / "gateway_key", key)
+    versions = itertools.count(1)
+    for name, proc in procs.items():
+        print(f"gateway (the store, the trace inspector at /ui): {proc.base_url} for {name} "
+              f"(admin key in {state_dir / 'gateway_key'})", flush=True)
+    return Engines({name: Inference(proc.base_url, key, root, name, keep=keep, proc=proc, versions=versions)
+                    for name, proc in procs.items()})
 
 
 def _warm_imports() -> None:

@@ -67,7 +67,7 @@ def catalog(state: ServiceState) -> dict[str, RunRecord]:
         r.model_id: RunRecord(r.model_id, r.base_model, r.lora_rank, r.last_request)
         for r in state.runs.values()
     }
-    for p in state.inference.published.values():
+    for p in state.engines.published().values():
         records.setdefault(
             p.run.model_id, RunRecord(p.run.model_id, p.run.base_model, p.run.lora_rank, p.run.last_request)
         )
@@ -84,7 +84,7 @@ def catalog(state: ServiceState) -> dict[str, RunRecord]:
         )
         rec.last_request = max(rec.last_request, f.parent.stat().st_mtime)
         rec.checkpoints.append(_checkpoint(model_id, CHECKPOINTS, f.parent.name, f.parent))
-    for version, p in state.inference.published.items():
+    for version, p in state.engines.published().items():
         if p.path.is_dir():
             records[p.run.model_id].checkpoints.append(
                 _checkpoint(p.run.model_id, SAMPLER_WEIGHTS, version, p.path)
@@ -135,10 +135,10 @@ def delete_checkpoint(state: ServiceState, model_id: str, checkpoint_id: str) ->
             raise LookupError(str(e)) from None
         shutil.rmtree(d)
     elif kind == SAMPLER_WEIGHTS:
-        p = state.inference.published.get(name)
+        p = state.engines.published().get(name)
         if p is None or p.run.model_id != model_id:
             raise LookupError(f"no checkpoint {checkpoint_id!r} of run {model_id}")
-        state.inference.delete(name)
+        state.engines[p.run.base_model].delete(name)
     else:
         raise ValueError(f"checkpoint_id {checkpoint_id!r} is not weights/NAME or sampler_weights/VERSION")
 
@@ -216,7 +216,7 @@ def add_rest_routes(app: FastAPI, svc: Callable[[Request], ServiceState]) -> Non
         try:
             if f"/{SAMPLER_WEIGHTS}/" in path:
                 owner, version = parse_path(path, SAMPLER_WEIGHTS)
-                p = state.inference.published.get(version)
+                p = state.engines.published().get(version)
                 if p is None or p.run.model_id != owner:
                     raise UserFault(f"no kept weight version at {path}")
                 base, rank = p.run.base_model, p.run.lora_rank

@@ -1,5 +1,5 @@
 """The Tinker API's sampling routes: ``create_sampling_session`` (a sampler of a published weight version, or
-of the base model), ``GET /api/v1/samplers/{id}`` and ``asample`` (answered as a future, drawn through the
+of a served base model, each model on its own engine), ``GET /api/v1/samplers/{id}`` and ``asample`` (answered as a future, drawn through the
 gateway by ``ServiceState.sample``).
 
 A sampler of a published version belongs to the run that published it: that run's key and the admin key
@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from tracegym.trainer.service.access import Access, HttpError, read_json
 from tracegym.trainer.service.futures import UserFault
 from tracegym.trainer.service.sampling import parse_sample
-from tracegym.trainer.service.state import Sampler, ServiceState
+from tracegym.trainer.service.state import BASE, Sampler, ServiceState
 from tracegym.trainer.service.wire import BadInput, SampleResult
 
 
@@ -27,19 +27,19 @@ def path_sampler(state: ServiceState, access: Access, model_path: str) -> Sample
     except UserFault as e:
         raise HttpError(404, str(e)) from None
     access.need_run(run)
-    return state.new_sampler(version, run, model_path)
+    return state.new_sampler(run.base_model, version, run, model_path)
 
 
-def base_sampler(state: ServiceState, access: Access, base_model: str) -> Sampler:
-    """A new sampler of the base model (admin; 400 naming the served models for any other name, 404 after
-    the first publish)."""
+def base_sampler(state: ServiceState, access: Access, base_model: Any) -> Sampler:
+    """A new sampler of a served base model (admin; None: the default model; 400 naming the served models
+    for any other name, 404 after the first publish on that model's engine)."""
     access.need_admin()
     try:
-        state.check_base_model(base_model)
+        name = state.base_model(base_model).name
     except UserFault as e:
         raise HttpError(400, str(e)) from None
     try:
-        return state.new_sampler("base", None, None)
+        return state.new_sampler(name, BASE, None, None)
     except UserFault as e:
         raise HttpError(404, str(e)) from None
 
@@ -64,14 +64,14 @@ def add_sampling_routes(app: FastAPI, svc: Callable[[Request], ServiceState]) ->
         if body.get("model_path"):
             sampler = path_sampler(state, access, str(body["model_path"]))
         else:
-            sampler = base_sampler(state, access, str(body.get("base_model")))
+            sampler = base_sampler(state, access, body.get("base_model"))
         return {"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id}
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str, request: Request) -> dict[str, Any]:
         state = svc(request)
         sampler = known_sampler(state, Access(state, request), sampler_id)
-        return {"sampler_id": sampler_id, "base_model": state.cfg.model, "model_path": sampler.model_path}
+        return {"sampler_id": sampler_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> dict[str, Any]:
@@ -83,8 +83,9 @@ def add_sampling_routes(app: FastAPI, svc: Callable[[Request], ServiceState]) ->
             sampler = path_sampler(state, access, str(body["model_path"]))
         else:
             raise HttpError(400, "asample needs a sampling_session_id (or a model_path)")
+        model = state.models[sampler.base_model]
         try:
-            ask = parse_sample(body, max_length=state.max_length, model=state.cfg.model)
+            ask = parse_sample(body, max_length=model.max_length, model=model.name)
         except BadInput as e:
             raise HttpError(400, str(e)) from None
 

@@ -1,5 +1,6 @@
 """What the training service holds while it runs (owned by the app's lifespan): sessions, training runs,
-samplers, futures, checkpoints and the inference side; and the operations the routes submit as futures."""
+samplers, futures, checkpoints and each base model's inference; and the operations the routes submit as
+futures."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Any, TypeVar
 
 from tracegym.trainer.service import steps
 from tracegym.trainer.service.futures import FutureStore, UserFault
-from tracegym.trainer.service.inference import BASE, Inference
+from tracegym.trainer.service.inference import BASE
+from tracegym.trainer.service.models import BaseModel, Engines
 from tracegym.trainer.service.ray_workers import check_room, rank_error
 from tracegym.trainer.service.runs import Run
 from tracegym.trainer.service.sampling import SampleAsk
@@ -30,9 +32,8 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class ServiceConfig:
-    model: str
-    """The base model's name (``tracegym models``), the only one this service trains and samples."""
-    model_dir: Path
+    models: list[BaseModel]
+    """The base models this service trains and samples (``--model``), the default first."""
     state_dir: Path
     admin_key: str | None = None
     torch_threads: int | None = None
@@ -51,8 +52,12 @@ class ServiceConfig:
 @dataclass(slots=True)
 class Sampler:
     sampler_id: str
+    base_model: str
+    """The base model whose engine it samples."""
     version: str
+    """The weight version it samples (``BASE``: the base model as its engine started)."""
     run: Run | None
+    """The run that published ``version`` (None: the base model's sampler)."""
     model_path: str | None
     seq: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -70,8 +75,11 @@ def parse_path(path: str, kind: str) -> tuple[str, str]:
 
 
 class ServiceState:
-    def __init__(self, cfg: ServiceConfig, inference: Inference) -> None:
-        self.cfg, self.inference = cfg, inference
+    def __init__(self, cfg: ServiceConfig, engines: Engines) -> None:
+        if [m.name for m in cfg.models] != list(engines.by_model):
+            raise ValueError(f"engines for {list(engines.by_model)}, models {[m.name for m in cfg.models]}")
+        self.cfg, self.engines = cfg, engines
+        self.models = {m.name: m for m in cfg.models}
         self.futures = FutureStore()
         self.sessions: set[str] = set()
         self.runs: dict[str, Run] = {}
@@ -79,9 +87,6 @@ class ServiceState:
         self._sampler_ids = itertools.count(1)
         self._placing = asyncio.Lock()
         """Held while a run's workers start: a Ray's free resources are checked, then taken, one run at a time."""
-        config = json.loads((cfg.model_dir / "config.json").read_text())
-        self.arch = str(config.get("model_type", ""))
-        self.max_length = int(config.get("max_position_embeddings") or 0)  # 0: unknown
 
     # ---------------------------------------------------------------- sessions, runs
 
@@ -90,12 +95,15 @@ class ServiceState:
         self.sessions.add(sid)
         return sid
 
-    def check_base_model(self, name: str) -> None:
-        if name not in self.model_names():
-            raise UserFault(f"unknown base model {name!r}; this service trains: {', '.join(self.model_names())}")
-
-    def model_names(self) -> list[str]:
-        return [self.cfg.model]
+    def base_model(self, name: Any) -> BaseModel:
+        """The served base model ``name`` (None: the default, the first ``--model``; ``UserFault`` naming the
+        served ones for any other)."""
+        if name is None:
+            return self.cfg.models[0]
+        name = str(name)
+        if name not in self.models:
+            raise UserFault(f"unknown base model {name!r}; this service trains: {', '.join(self.models)}")
+        return self.models[name]
 
     def run(self, model_id: str) -> Run:
         try:
@@ -104,24 +112,25 @@ class ServiceState:
             known = ", ".join(self.runs) or "none"
             raise LookupError(f"unknown model_id {model_id!r} (training runs: {known})") from None
 
-    async def create_run(self, model_id: str, lora: dict[str, Any] | None) -> Run:
+    async def create_run(self, model_id: str, base_model: str, lora: dict[str, Any] | None) -> Run:
         if model_id in self.runs:
             raise UserFault(f"model_id {model_id!r} exists already")
+        model = self.base_model(base_model)
         rank = None if lora is None else int(lora["rank"])
         async with self._placing:
             if self.cfg.ray is not None:
                 await asyncio.to_thread(check_room, self.cfg.num_workers, self.cfg.ray)
-            group = await asyncio.to_thread(self._worker_group, rank, lora)
+            group = await asyncio.to_thread(self._worker_group, model.model_dir, rank, lora)
         try:
             facts = (await on_workers(group.run_on_ranks, steps.model_facts))[0]
         except BaseException:
             await asyncio.to_thread(group.shutdown)
             raise
-        run = Run(model_id, self.cfg.model, rank, group, self.cfg.model_dir, facts)
+        run = Run(model_id, model.name, rank, group, model.model_dir, facts)
         self.runs[model_id] = run
         return run
 
-    def _worker_group(self, rank: int | None, lora: dict[str, Any] | None) -> Any:
+    def _worker_group(self, model_dir: Path, rank: int | None, lora: dict[str, Any] | None) -> Any:
         from tracegym.trainer.settings import LoraConfig
         from tracegym.trainer.workers.group import WorkerGroup
         from tracegym.trainer.workers.train_config import TrainConfig
@@ -129,18 +138,18 @@ class ServiceState:
         lora_cfg = None
         if rank is not None:
             assert lora is not None
-            lora_cfg = LoraConfig(rank=rank, target_modules=lora_targets(self.cfg.model_dir, lora))
+            lora_cfg = LoraConfig(rank=rank, target_modules=lora_targets(model_dir, lora))
         seed = {} if lora is None or lora.get("seed") is None else {"seed": int(lora["seed"])}
         cfg = TrainConfig(optim=self.cfg.optim, lora=lora_cfg, torch_threads=self.cfg.torch_threads,
                           entropy_tokens=0, **seed)
-        return WorkerGroup(self.cfg.model_dir, num_workers=self.cfg.num_workers, train_cfg=cfg,
+        return WorkerGroup(model_dir, num_workers=self.cfg.num_workers, train_cfg=cfg,
                            use_ray=self.cfg.ray is not None, ray_settings=self.cfg.ray)
 
     def keyed_runs(self) -> list[Run]:
         """The runs whose keys work: those with live workers, and those whose session finished while a weight
         version of theirs is kept (their key still works for their samplers and listings)."""
         runs = {r.model_id: r for r in self.runs.values()}
-        for p in self.inference.published.values():
+        for p in self.engines.published().values():
             runs.setdefault(p.run.model_id, p.run)
         return list(runs.values())
 
@@ -210,33 +219,35 @@ class ServiceState:
 
     # ---------------------------------------------------------------- sampling
 
-    def new_sampler(self, version: str, run: Run | None, model_path: str | None) -> Sampler:
-        self.inference.check_version(version)
+    def new_sampler(self, base_model: str, version: str, run: Run | None, model_path: str | None) -> Sampler:
+        """A sampler of ``version`` on ``base_model``'s engine (``UserFault`` when it cannot be sampled)."""
+        self.engines[base_model].check_version(version)
         sid = f"sampler-{next(self._sampler_ids)}"
-        self.samplers[sid] = Sampler(sid, version, run, model_path)
+        self.samplers[sid] = Sampler(sid, base_model, version, run, model_path)
         return self.samplers[sid]
+
+    async def publish(self, run: Run) -> str:
+        """A new weight version of ``run``, swapped into its base model's engine; the version."""
+        return await self.engines[run.base_model].publish(run)
 
     def published_at(self, model_path: str) -> tuple[str, Run]:
         """The weight version at ``tinker://RUN/sampler_weights/VERSION`` and the run that published it
         (``UserFault``: never published, pruned, or published by another run)."""
         owner, version = parse_path(model_path, SAMPLER_WEIGHTS)
-        p = self.inference.published.get(version)
-        if p is None:
-            self.inference.check_version(version)  # raises: never published, or pruned
-        assert p is not None
+        p = self.engines.holder(version).published[version]
         if p.run.model_id != owner:
             raise UserFault(f"{model_path}: version {version} was published by {p.run.model_id}, not {owner}")
         return version, p.run
 
     async def sample(self, sampler: Sampler, ask: SampleAsk) -> SampleResult:
         rollout = f"tinker-{sampler.sampler_id}-{next(sampler.seq)}"
-        return await self.inference.sample(sampler.version, ask, rollout)
+        return await self.engines[sampler.base_model].sample(sampler.version, ask, rollout)
 
     async def close(self) -> None:
         await self.futures.close()
         for run in list(self.runs.values()):
             await asyncio.to_thread(run.group.shutdown)
-        await self.inference.close()
+        await self.engines.close()
 
 
 async def on_workers(fn: Callable[..., T], *args: Any) -> T:

@@ -32,11 +32,11 @@ class Service:
     def client(self, key: str | None = ADMIN_KEY) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": key} if key else {}, timeout=120)
 
-    def gateway(self) -> httpx.Client:
-        """The gateway the service started (its URL is in the service's log)."""
+    def gateway(self, model: str = MODEL) -> httpx.Client:
+        """The gateway the service started for ``model`` (its URL is in the service's log)."""
         log = self.proc.log(tail=10**7)  # the whole log: the line is near its start
         url = next(line.split(": ")[1].split()[0] for line in log.splitlines()
-                   if line.startswith("gateway (the store"))
+                   if line.startswith("gateway (the store") and f" for {model} (" in line)
         key = (self.state_dir / "gateway_key").read_text().strip()
         return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
 
@@ -99,11 +99,11 @@ def session(c: httpx.Client) -> str:
     return r.json()["session_id"]
 
 
-def create_run(c: httpx.Client, lora_rank: int | None = 4) -> str:
+def create_run(c: httpx.Client, lora_rank: int | None = 4, model: str = MODEL) -> str:
     sid = session(c)
     lora = None if lora_rank is None else {"rank": lora_rank}
     out = result(c, c.post("/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0,
-                                                         "base_model": MODEL, "lora_config": lora}))
+                                                         "base_model": model, "lora_config": lora}))
     assert "model_id" in out, out
     return out["model_id"]
 

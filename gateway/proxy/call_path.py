@@ -29,13 +29,8 @@ from tracegym.gateway.proxy.call_context import (
     plan_prompt,
     settled,
 )
-from tracegym.gateway.proxy.streaming import (
-    EventWriter,
-    SseResponse,
-    StreamWriter,
-    cancel_on_disconnect,
-    sse_stream,
-)
+from tracegym.gateway.proxy.sse_response import SseResponse, cancel_on_disconnect
+from tracegym.gateway.proxy.streaming import EventWriter, StreamWriter, sse_stream
 from tracegym.gateway.proxy.upstream.base import GenerateResult
 from tracegym.gateway.proxy.validation import ParsedRequest
 

@@ -1,4 +1,4 @@
-"""``streaming.SseResponse``: the last chunk carries the end of the body (no empty message after it), and
+"""``sse_response.SseResponse``: the last chunk carries the end of the body (no empty message after it), and
 a client's disconnect cancels the stream where it waits, closes it (so it records the call) and ends the
 response quietly."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from tracegym.gateway.proxy.streaming import LastChunk, SseResponse
+from tracegym.gateway.proxy.sse_response import LastChunk, SseResponse
 
 
 async def _never_disconnects() -> dict:

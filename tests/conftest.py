@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import fresh_pg_database, pg_available
+from tests.procs import empty_pg_database, fresh_pg_database, pg_available
 
-SHARED_BY_ONE_WORKER = frozenset({"service"})
-"""Session-scoped fixtures that start a costly process (tests/trainer/service: ``tracegym tinker-serve``),
-whose tests, in whichever module, run on one worker that starts it once."""
+SHARED_BY_ONE_WORKER = frozenset({"service", "gateway"})
+"""Session-scoped fixtures that start a costly process (tests/trainer/service: ``tracegym tinker-serve``;
+tests/e2e: ``gateway``, a ``tracegym serve``), whose tests, in whichever module, run on one worker that
+starts it once. A test whose fixture of that name is not session-scoped (a module's own ``gateway``) is
+not in that group."""
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -31,7 +33,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
             continue
-        shared = sorted(SHARED_BY_ONE_WORKER.intersection(info.names_closure))
+        shared = sorted(name for name in SHARED_BY_ONE_WORKER.intersection(info.names_closure)
+                        if info.name2fixturedefs[name][-1].scope == "session")
         if shared:
             group = shared[0]
         elif any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
@@ -73,15 +76,25 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'tracegym.db'}"
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh PostgreSQL database for one test, dropped afterwards."""
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """This test process's PostgreSQL database, dropped at the end of the session (``pg_url`` empties it for
+    each test that takes it)."""
     if not pg_available():
         if os.environ.get("CI"):
             pytest.fail("PostgreSQL is not reachable on 127.0.0.1:5432 (CI must start it)")
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432")
     with fresh_pg_database() as url:
         yield url
+
+
+@pytest.fixture
+def pg_url(pg_database: str) -> str:
+    """An empty PostgreSQL database for one test: this process's own, emptied as a new one would be
+    (``empty_pg_database``: the server's work of creating and dropping a database for every test was
+    most of a PostgreSQL test's cost)."""
+    empty_pg_database(pg_database)
+    return pg_database
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.pg)])

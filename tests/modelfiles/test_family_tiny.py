@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tests.shared_tokenizers import chat_tokenizer
 from tracegym.modelfiles.family_tiny import TEMPLATES, TINY_FAMILIES
 from tracegym.models import KNOWN_MODELS
 
@@ -15,7 +16,6 @@ from tracegym.models import KNOWN_MODELS
 @pytest.mark.parametrize("name", list(TINY_FAMILIES))
 def test_family_tiny_files(name: str) -> None:
     import torch
-    from tokenizers import Tokenizer
 
     from tracegym.modelfiles.load import load_model
     from tracegym.modelfiles.prepare import prepare_model
@@ -27,7 +27,7 @@ def test_family_tiny_files(name: str) -> None:
     assert config["vocab_size"] == spec.vocab_size and config["eos_token_id"] == list(spec.eos_ids)
     assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == list(spec.eos_ids)
     assert (d / "model.safetensors").stat().st_size < 40 * 2**20
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok = chat_tokenizer(d).tokenizer  # Tokenizer.from_file of d/tokenizer.json, loaded once per process
     assert tok.get_vocab_size(with_added_tokens=True) <= spec.vocab_size
     for i, content in spec.renames.items():
         assert tok.id_to_token(i) == content and tok.token_to_id(content) == i

@@ -47,11 +47,9 @@ def test_qwen3_tiny_loads_and_generates(qwen3_model_dir: Path) -> None:
 def test_gateway_template_equals_transformers_on_qwen3(qwen3_model_dir: Path) -> None:
     """Reasoning kept after the last user turn and stripped before it, tool calls and results, as
     transformers' ``apply_chat_template`` renders them."""
-    from transformers import AutoTokenizer
+    from tests.shared_tokenizers import chat_tokenizer, hf_tokenizer
 
-    from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
-
-    ours, hf = ChatTokenizer.from_dir(qwen3_model_dir), AutoTokenizer.from_pretrained(qwen3_model_dir)
+    ours, hf = chat_tokenizer(qwen3_model_dir), hf_tokenizer(qwen3_model_dir)
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
     messages = [

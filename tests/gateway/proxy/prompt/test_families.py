@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
+from tests.shared_tokenizers import chat_tokenizer
 from tracegym.gateway.proxy.prompt.families import FAMILIES, UnknownChatFormat, detect, family
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
@@ -97,9 +98,7 @@ def test_harmony_channels() -> None:
 
 
 def test_gpt_oss_decode_keeps_the_harmony_tokens() -> None:
-    from tracegym.modelfiles.prepare import prepare_model
-
-    tok = ChatTokenizer.from_dir(prepare_model("gptoss-tiny"))
+    tok = chat_tokenizer("gptoss-tiny")
     ids = tok.encode("<|channel|>final<|message|>Hi<|return|>")
     assert tok.decode(ids, skip_special_tokens=True) == "<|channel|>final<|message|>Hi"
     assert tok.decode(ids) == "<|channel|>final<|message|>Hi<|return|>"
@@ -108,15 +107,14 @@ def test_gpt_oss_decode_keeps_the_harmony_tokens() -> None:
 
 def test_templates_that_raise_are_render_errors() -> None:
     from tracegym.gateway.proxy.prompt.templating import TemplateRenderError
-    from tracegym.modelfiles.prepare import prepare_model
 
-    gemma = ChatTokenizer.from_dir(prepare_model("gemma3-tiny"))
+    gemma = chat_tokenizer("gemma3-tiny")
     with pytest.raises(TemplateRenderError, match="roles must alternate"):
         gemma.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
-    oss = ChatTokenizer.from_dir(prepare_model("gptoss-tiny"))
+    oss = chat_tokenizer("gptoss-tiny")
     with pytest.raises(TemplateRenderError, match="no previous assistant message with a tool call"):
         oss.render([{"role": "user", "content": "a"}, {"role": "tool", "tool_call_id": "x", "content": "5"}])
-    llama = ChatTokenizer.from_dir(prepare_model("llama3-tiny"))
+    llama = chat_tokenizer("llama3-tiny")
     with pytest.raises(TemplateRenderError, match="no first user message"):
         llama.render([{"role": "system", "content": "s"}], tools=corpus.TOOLS)
 

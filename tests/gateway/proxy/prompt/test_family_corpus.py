@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
+from tests.shared_tokenizers import chat_tokenizer, hf_tokenizer
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
 MODELS = {"chatml": "tiny-random", "qwen3": "qwen3-tiny", "llama3": "llama3-tiny", "gemma3": "gemma3-tiny",
@@ -22,7 +23,8 @@ NAMES = [t["function"]["name"] for t in corpus.TOOLS]
 @pytest.fixture(params=list(MODELS))
 def family(request: pytest.FixtureRequest) -> tuple[str, Path]:
     """A family's name and its tiny model (prepared once per machine, found again in microseconds): not
-    module-scoped, so that its 36 tests spread over the workers of ``pytest -n``."""
+    module-scoped, so that its 36 tests spread over the workers of ``pytest -n``; the tests read the
+    family's tokenizers from ``tests.shared_tokenizers`` (loaded once per worker)."""
     from tracegym.modelfiles.prepare import prepare_model
 
     return request.param, prepare_model(MODELS[request.param])
@@ -47,10 +49,8 @@ def _reference(name: str, hf: object, messages: list[dict], tools: list | None) 
 
 
 def test_corpus_renders_token_for_token(family: tuple[str, Path]) -> None:
-    from transformers import AutoTokenizer
-
     name, d = family
-    ours, hf = ChatTokenizer.from_dir(d), AutoTokenizer.from_pretrained(d)
+    ours, hf = chat_tokenizer(d), hf_tokenizer(d)
     assert ours.family.name == name
     f = ours.family
     mismatches, kinds = [], {"tool_calls": 0, "parallel": 0, "tool_results": 0, "reasoning": 0, "long": 0}
@@ -80,7 +80,7 @@ def test_sampled_calls_parse_and_render_into_the_next_turn(family: tuple[str, Pa
     import json
 
     name, d = family
-    ours = ChatTokenizer.from_dir(d)
+    ours = chat_tokenizer(d)
     f = ours.family
     checked = 0
     for seed in range(60):
@@ -112,7 +112,7 @@ def test_malformed_calls_are_never_silent(family: tuple[str, Path]) -> None:
     """Output that looks like the family's call syntax but does not parse is content with a failed status;
     a call naming a tool that was not offered fails too."""
     name, d = family
-    f = ChatTokenizer.from_dir(d).family
+    f = chat_tokenizer(d).family
     good = corpus.sampled(name, "", [corpus.Call("c", "add", {"a": 1, "b": 2})])
     unknown = good.replace("add", "rm_rf")
     bad_json = good.replace('{"a": 1, "b": 2}', '{"a": 1, "b": ')
@@ -133,7 +133,7 @@ def test_rollouts_keep_the_sampled_ids(family: tuple[str, Path]) -> None:
     from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache
 
     name, d = family
-    tok = ChatTokenizer.from_dir(d)
+    tok = chat_tokenizer(d)
     cache = PrefixCache(tok)
     totals = [play(tok, seed, cache)[:3] for seed in range(40)]
     calls, _, wrong = (sum(t[i] for t in totals) for i in range(3))
@@ -169,7 +169,7 @@ def test_the_ways_to_realign_a_reply_plan_the_same(family: tuple[str, Path]) -> 
             return choice
 
     name, d = family
-    tok = ChatTokenizer.from_dir(d)
+    tok = chat_tokenizer(d)
     caches = [PrefixCache(tok), Fixed(tok, True), Fixed(tok, False)]
     for seed in range(25):
         plans: list[list[tuple[list[int], str]]] = [[] for _ in caches]
@@ -185,7 +185,7 @@ def test_an_edited_earlier_turn_is_a_recorded_branch(family: tuple[str, Path]) -
     from tracegym.types import CallRecord, ChoiceRecord
 
     name, d = family
-    tok = ChatTokenizer.from_dir(d)
+    tok = chat_tokenizer(d)
     cache = PrefixCache(tok)
     msgs = [{"role": "user", "content": "Hello!"}]
     plan = cache.plan_request("r", {"messages": list(msgs)})

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
+from tests.shared_tokenizers import chat_tokenizer
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 from tracegym.gateway.proxy.streaming import IncrementalDecoder
 
@@ -37,9 +38,7 @@ def streamed(request: pytest.FixtureRequest) -> tuple[ChatTokenizer, list[int], 
     """The family's tokenizer, the reply's ids and what the stream sent: ``(token index, kind, payload)``
     with kind ``reasoning`` / ``content`` (text) or ``call`` ((name, arguments)); index ``len(ids)`` is the
     end of the stream."""
-    from tracegym.modelfiles.prepare import prepare_model
-
-    tok = ChatTokenizer.from_dir(prepare_model(request.param))
+    tok = chat_tokenizer(request.param)
     text, stop = REPLIES[request.param]
     ids = [*tok.encode(text), tok.tokenizer.token_to_id(stop)]
     f = tok.family

@@ -17,6 +17,7 @@ import pytest
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
 from tests.gateway.proxy.prompt.test_jinja_env import _reference
+from tests.shared_tokenizers import chat_tokenizer
 from tracegym.gateway.proxy.prompt import jinja_env
 from tracegym.gateway.proxy.prompt.families import FAMILIES
 from tracegym.gateway.proxy.prompt.families.harmony_render import LOOP_MARK, TEMPLATE_SHA256, harmony_renderer
@@ -55,9 +56,7 @@ def test_it_is_built_for_the_official_template_only(tok: ChatTokenizer) -> None:
     assert tok.templates["default"] == source and tok._renderers["default"] is not None
     assert harmony_renderer(source + "\n{{ '' }}") is None
     assert harmony_renderer(source.replace("Knowledge cutoff: 2024-06", "Knowledge cutoff: 2025-01")) is None
-    from tracegym.modelfiles.prepare import prepare_model
-
-    qwen = ChatTokenizer.from_dir(prepare_model("qwen3-tiny"))
+    qwen = chat_tokenizer("qwen3-tiny")
     assert set(qwen._renderers.values()) == {None}
 
 

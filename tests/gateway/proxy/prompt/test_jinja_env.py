@@ -12,9 +12,10 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
+from tests.shared_tokenizers import chat_tokenizer
 from tracegym.gateway.proxy.prompt import jinja_env
 from tracegym.gateway.proxy.prompt.jinja_env import compile_template, memo_key
-from tracegym.gateway.proxy.prompt.templating import ChatTokenizer, prepare_messages
+from tracegym.gateway.proxy.prompt.templating import prepare_messages
 
 MODELS = {"chatml": "tiny-random", "qwen3": "qwen3-tiny", "llama3": "llama3-tiny", "gemma3": "gemma3-tiny",
           "deepseek_v3": "deepseek3-tiny", "gpt_oss": "gptoss-tiny"}
@@ -33,9 +34,7 @@ def _reference(source: str) -> jinja2.Template:
 
 @pytest.mark.parametrize("family", list(MODELS))
 def test_renders_equal_the_plain_sandbox(family: str) -> None:
-    from tracegym.modelfiles.prepare import prepare_model
-
-    tok = ChatTokenizer.from_dir(prepare_model(MODELS[family]))
+    tok = chat_tokenizer(MODELS[family])
     f = tok.family
     for seed in range(25):
         turns, offered = corpus.conversation(seed, parallel=f.parallel_calls, reasoning=f.reasoning is not None,

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.shared_tokenizers import chat_tokenizer
 from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache, PromptPlan
 from tracegym.gateway.proxy.prompt.reasoning import split_reasoning
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
@@ -28,7 +29,7 @@ ANSWER = "<think>\nThe tool said 5.\n</think>\n\nIt is 5."
 
 @pytest.fixture(scope="module")
 def tok(qwen3_model_dir: Path) -> ChatTokenizer:
-    return ChatTokenizer.from_dir(qwen3_model_dir)
+    return chat_tokenizer(qwen3_model_dir)
 
 
 class Chat:

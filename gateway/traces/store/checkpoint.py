@@ -18,7 +18,6 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +39,7 @@ class Checkpointer:
         self.checkpoints = 0
         self._dirty = threading.Event()
         self._stop = False
+        self._closing = threading.Event()  # cuts the gathering pause short on close()
         self._thread = threading.Thread(target=self._run, name="tracegym-wal-checkpoint", daemon=True)
         self._thread.start()
 
@@ -69,7 +69,7 @@ class Checkpointer:
                 self._dirty.wait()
                 if self._stop:
                     break
-                time.sleep(self.every_s)  # let commits gather: one checkpoint copies the pages of many
+                self._closing.wait(self.every_s)  # let commits gather: one checkpoint copies the pages of many
                 self._dirty.clear()
                 self._once(conn)
             self._once(conn)  # what the last writes left
@@ -87,5 +87,6 @@ class Checkpointer:
     def close(self, timeout_s: float = 30.0) -> None:
         """Checkpoint what is left and stop the thread (idempotent)."""
         self._stop = True
+        self._closing.set()
         self._dirty.set()
         self._thread.join(timeout_s)

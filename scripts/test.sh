@@ -3,6 +3,9 @@
 # Fast suite only: bash scripts/test.sh -m "not slow" -n 3 --dist loadgroup  (arguments go to one pytest run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python keeps the bytecode of the project's modules (an environment may set PYTHONDONTWRITEBYTECODE): else
+# every server a test starts compiles them again, and pytest rewrites every test module at each collection
+unset PYTHONDONTWRITEBYTECODE
 ruff check .
 bash scripts/lint_imports.sh
 if [ "$#" -ne 0 ]; then exec python -m pytest -q -ra --durations=15 "$@"; fi

@@ -148,13 +148,6 @@ def quickstart_trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     return tmp / "run", rows
 
 
-def last_weights(run: Path) -> Path:
-    """The newest weight version a finished run kept (``keep: weights``): ``run/weights/v<N>``."""
-    versions = sorted((run / "weights").glob("v*"), key=lambda p: int(p.name[1:]))
-    assert versions, f"{run} kept no weights"
-    return versions[-1]
-
-
 @pytest.fixture(scope="session")
 def gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
     # a small body limit so the 413 case is cheap to provoke (test_openai_client)

@@ -38,8 +38,7 @@ class Checkpointer:
         self.busy_timeout_ms = busy_timeout_ms
         self.checkpoints = 0
         self._dirty = threading.Event()
-        self._stop = False
-        self._closing = threading.Event()  # cuts the gathering pause short on close()
+        self._closing = threading.Event()  # set by close(): stops the thread, cutting its gathering pause short
         self._thread = threading.Thread(target=self._run, name="tracegym-wal-checkpoint", daemon=True)
         self._thread.start()
 
@@ -65,9 +64,9 @@ class Checkpointer:
             return
         try:
             conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
-            while not self._stop:
+            while not self._closing.is_set():
                 self._dirty.wait()
-                if self._stop:
+                if self._closing.is_set():
                     break
                 self._closing.wait(self.every_s)  # let commits gather: one checkpoint copies the pages of many
                 self._dirty.clear()
@@ -86,7 +85,6 @@ class Checkpointer:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Checkpoint what is left and stop the thread (idempotent)."""
-        self._stop = True
         self._closing.set()
         self._dirty.set()
         self._thread.join(timeout_s)

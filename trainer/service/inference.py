@@ -1,6 +1,6 @@
 """The inference side of one base model: the gateway (with its engine) that its samples are drawn through,
 so each is a span in the store, and the weight versions the service publishes into that engine (a service
-of several base models has one of these per model: ``models.Engines``).
+of several base models has one of these per model: ``models.InferenceByModel``).
 
 One engine serves one set of weights at a time. A sampler is bound to a version; a sample for a version
 the engine does not serve waits until the samples in flight are done, then the service swaps that

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tracegym.errors import UserError
 
 if TYPE_CHECKING:
-    from tracegym.trainer.service.models import Engines
+    from tracegym.trainer.service.models import InferenceByModel
 
 
 def _loopback(host: str) -> bool:
@@ -37,7 +37,7 @@ def main(args: argparse.Namespace) -> int:
     from tracegym.modelfiles.prepare import prepare_model
     from tracegym.trainer.service.app import build_app
     from tracegym.trainer.service.inference import Inference
-    from tracegym.trainer.service.models import BaseModel, Engines
+    from tracegym.trainer.service.models import BaseModel, InferenceByModel
     from tracegym.trainer.service.ray_workers import ray_settings, start_ray, stop_ray
     from tracegym.trainer.service.state import ServiceConfig, ServiceState
     from tracegym.trainer.settings import OptimConfig
@@ -69,7 +69,7 @@ def main(args: argparse.Namespace) -> int:
     async def make_state() -> AsyncIterator[ServiceState]:
         if args.gateway:
             key = os.environ.get("TRACEGYM_GATEWAY_KEY") or os.environ.get("TRACEGYM_API_KEY")
-            engines = Engines({names[0]: Inference(args.gateway, key, Path(args.gateway_weights_dir) / "tinker",
+            engines = InferenceByModel({names[0]: Inference(args.gateway, key, Path(args.gateway_weights_dir) / "tinker",
                                                    names[0], keep=args.keep)})
         else:
             store = args.store or os.environ.get("TRACEGYM_STORE_URL") or f"sqlite:///{state_dir / 'tracegym.db'}"
@@ -108,11 +108,11 @@ def check_model_names(given: list[str], gateway: str | None) -> list[str]:
     return given
 
 
-def _start_engines(names: list[str], state_dir: Path, store: str, keep: int) -> Engines:
+def _start_engines(names: list[str], state_dir: Path, store: str, keep: int) -> InferenceByModel:
     """A gateway with its embedded engine per model (``inference.start_gateways``), their addresses printed
     and their admin key written to ``state_dir/gateway_key``; weight versions numbered across them."""
     from tracegym.trainer.service.inference import Inference, start_gateways
-    from tracegym.trainer.service.models import Engines
+    from tracegym.trainer.service.models import InferenceByModel
 
     procs, key, root = start_gateways(names, state_dir, store)
     _write_private(state_dir / "gateway_key", key)
@@ -120,7 +120,7 @@ def _start_engines(names: list[str], state_dir: Path, store: str, keep: int) -> 
     for name, proc in procs.items():
         print(f"gateway (the store, the trace inspector at /ui): {proc.base_url} for {name} "
               f"(admin key in {state_dir / 'gateway_key'})", flush=True)
-    return Engines({name: Inference(proc.base_url, key, root, name, keep=keep, proc=proc, versions=versions)
+    return InferenceByModel({name: Inference(proc.base_url, key, root, name, keep=keep, proc=proc, versions=versions)
                     for name, proc in procs.items()})
 
 

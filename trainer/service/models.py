@@ -38,7 +38,7 @@ class BaseModel:
                    int(config.get("max_position_embeddings") or 0))
 
 
-class Engines:
+class InferenceByModel:
     """Each served base model's ``Inference``, by model name, in ``--model`` order."""
 
     def __init__(self, by_model: dict[str, Inference]) -> None:

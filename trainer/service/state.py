@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from tracegym.trainer.service import steps
 from tracegym.trainer.service.futures import FutureStore, UserFault
 from tracegym.trainer.service.inference import BASE
-from tracegym.trainer.service.models import BaseModel, Engines
+from tracegym.trainer.service.models import BaseModel, InferenceByModel
 from tracegym.trainer.service.ray_workers import check_room, rank_error
 from tracegym.trainer.service.runs import Run
 from tracegym.trainer.service.sampling import SampleAsk
@@ -75,7 +75,7 @@ def parse_path(path: str, kind: str) -> tuple[str, str]:
 
 
 class ServiceState:
-    def __init__(self, cfg: ServiceConfig, engines: Engines) -> None:
+    def __init__(self, cfg: ServiceConfig, engines: InferenceByModel) -> None:
         if [m.name for m in cfg.models] != list(engines.by_model):
             raise ValueError(f"engines for {list(engines.by_model)}, models {[m.name for m in cfg.models]}")
         self.cfg, self.engines = cfg, engines

@@ -37,7 +37,11 @@ def kept_weights(run_dir: Path) -> Path | None:
     ``run_dir`` is not a run directory (it has no ``metrics.jsonl``)."""
     if not (run_dir / "metrics.jsonl").is_file():
         return None
-    versions = [p for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit() and (p / "config.json").is_file()]
+    kept = [p for p in (run_dir / "weights").glob("v*") if p.name[1:].isdigit()]
+    versions = [p for p in kept if (p / "config.json").is_file()]
+    if kept and not versions:
+        raise RecipeError(f"distill.teacher {str(run_dir)!r} kept weight versions that are not whole models (a LoRA"
+                          " run keeps adapters): the teacher must be a whole model; name a model directory")
     if not versions:
         raise RecipeError(f"distill.teacher {str(run_dir)!r} is a run directory that kept no weights: train the"
                           " teacher with `keep: weights` (or `keep: checkpoint`), or name a model directory")

@@ -37,6 +37,10 @@ def test_a_run_that_kept_no_weights_says_how_to_keep_them(tmp_path: Path, tiny_m
     run = _run_dir(tmp_path, tiny_model_dir, [])
     with pytest.raises(RecipeError, match=r"kept no weights: train the teacher with `keep: weights`"):
         prepare_teacher(str(run), tiny_model_dir)
+    (run / "weights" / "v3").mkdir(parents=True)  # what a LoRA run keeps: adapters, no config.json
+    (run / "weights" / "v3" / "adapter_config.json").write_text("{}")
+    with pytest.raises(RecipeError, match=r"not whole models \(a LoRA run keeps adapters\)"):
+        prepare_teacher(str(run), tiny_model_dir)
 
 
 def test_a_teacher_of_another_vocabulary_is_refused(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -18,6 +18,37 @@ starts it once. A test whose fixture of that name is not session-scoped (a modul
 not in that group."""
 
 
+LEARNING_TESTS_ENV = "TRACEGYM_LEARNING_TESTS"
+
+
+def fast_bf16_here() -> bool:
+    """Whether this machine computes SmolLM2 in bfloat16 at the speed the learning tests are sized for: a CUDA
+    device, or a CPU with AVX512-BF16 or AMX-BF16 (oneDNN's bf16 kernels). Elsewhere the trainer and engine
+    compute in float32 (``modelfiles.load.cpu_compute_dtype``), several times slower. Read from the device
+    files and the CPU's flags, so that every run on one machine decides alike."""
+    if Path("/dev/nvidiactl").exists():
+        return True
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def skip_learning_where_slow(items: list[pytest.Item]) -> None:
+    """Skip the tests marked ``learns`` (they train SmolLM2 until its reward rises, sized in steps for bf16)
+    on a machine without fast bf16, unless ``$TRACEGYM_LEARNING_TESTS`` is ``all``."""
+    learning = [item for item in items if item.get_closest_marker("learns")]
+    if not learning or os.environ.get(LEARNING_TESTS_ENV) == "all" or fast_bf16_here():
+        return
+    skip = pytest.mark.skip(reason=(
+        "trains SmolLM2 until its reward rises: this CPU has no fast bfloat16 (AVX512-BF16 or AMX), and in "
+        f"float32 the run takes several times as long; {LEARNING_TESTS_ENV}=all runs it here"))
+    for item in learning:
+        item.add_marker(skip)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the tests of a module whose fixtures live as
@@ -28,7 +59,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     The scheduler knows a test's group only from a ``@group`` suffix of its node id. A worker's xdist plugin
     adds it in its own hook from the ``xdist_group`` mark (so this hook goes first), but from pytest 9.2 on
     a node id is a structured ``NodeId`` and what that plugin writes is no longer read: there the suffix is
-    put on the id's string form here (``_in_group``), and without it every test would be its own group."""
+    put on the id's string form here (``_in_group``), and without it every test would be its own group.
+
+    Tests marked ``learns`` are skipped where the machine is too slow for them (``skip_learning_where_slow``)."""
+    skip_learning_where_slow(items)
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         if info is None:

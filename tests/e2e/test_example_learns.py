@@ -20,6 +20,7 @@ RISE = 0.25
 
 
 @pytest.mark.slow
+@pytest.mark.learns
 def test_openai_example_learns_its_calculator(tmp_path: Path) -> None:
     _, rows = train_example_shortened(EX, tmp_path, STEPS, timeout=1500, eval_tasks=EVAL_TASKS)
     evals = [r for r in rows if r["kind"] == "eval"]

@@ -16,6 +16,7 @@ STEPS = 6
 
 
 @pytest.mark.slow
+@pytest.mark.learns
 def test_distillation_from_the_quickstart_trained_model_raises_a_fresh_students_reward(
     quickstart_trained: tuple[Path, list[dict[str, Any]]], tmp_path: Path
 ) -> None:

@@ -22,6 +22,7 @@ EVAL_TASKS = 32  # x 2 samples: the standard error of the difference is < 0.1 at
 
 
 @pytest.mark.slow
+@pytest.mark.learns
 def test_tool_agent_learns_to_call_its_tool(tmp_path: Path) -> None:
     res, rows = train_example_shortened(EX, tmp_path, STEPS, timeout=1200, eval_tasks=EVAL_TASKS)
     evals = [r for r in rows if r["kind"] == "eval"]

@@ -19,6 +19,7 @@ EVAL_TASKS = 16  # x 2 samples
 
 
 @pytest.mark.slow
+@pytest.mark.learns
 def test_sft_then_grpo_teaches_the_tools_api(tmp_path: Path) -> None:
     before, sft, grpo = sft_grpo_evaluations(RECIPE, tmp_path, SFT_STEPS, GRPO_STEPS, EVAL_TASKS, "tool agent")
     # the untrained model never calls the tool; it may state a product by chance (1 of 32 once)

@@ -54,6 +54,7 @@ def test_messages_conversations_render_to_the_demonstrations_tokens(tiny_model_d
 
 
 @pytest.mark.slow
+@pytest.mark.learns
 def test_sft_then_grpo_teaches_the_messages_tools_api(tmp_path: Path) -> None:
     before, sft, grpo = sft_grpo_evaluations(RECIPE, tmp_path, SFT_STEPS, GRPO_STEPS, EVAL_TASKS,
                                              "anthropic tool agent")

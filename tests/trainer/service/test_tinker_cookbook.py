@@ -21,7 +21,7 @@ import pytest
 from tests.procs import ManagedProcess
 from tests.trainer.service.conftest import SMOLLM2_KEY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.learns]
 
 COOKBOOK = ["tinker-cookbook==0.6.1", "chz==0.4.0", "blobfile==3.3.0", "lxml==6.1.3", "pycryptodomex==3.24.2",
             "termcolor==3.3.0", "pyrage==1.4.0", "pylatexenc==2.11", "math-verify==0.9.0",

@@ -22,7 +22,7 @@ from tinker import types
 from tests.procs import ManagedProcess
 from tests.trainer.service.conftest import SMOLLM2_KEY as KEY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.learns]
 
 MODEL = "smollm2-135m"
 TASKS = Path(__file__).resolve().parents[3] / "examples" / "quickstart" / "train.jsonl"

@@ -1,0 +1,173 @@
+"""Where the gateway's CPU goes per recorded chat call: py-spy samples the gateway process (every thread, only
+while it runs on a CPU) while the load generator of ``benchmarks.gateway_overhead`` sends chat calls at
+concurrency 32 to a zero-latency SGLang fake, and the samples are grouped by the stage they were in.
+
+    python -m benchmarks.gateway_profile [--durability commit|async|both] [--requests 12000] [--rate 250]
+                                         [--top 4] [--gil]
+
+A sample goes to the stage of the innermost project frame on its stack (``gateway/traces``: recording the
+span, store included; ``gateway/proxy/prompt``: rendering and tokenizing the prompt; ``gateway/proxy/upstream``:
+the hop to the engine; ``gateway/proxy`` else: the call path, reading the request and building the reply);
+a stack with no project frame goes to the library it is in (the HTTP server, the ASGI framework, the event
+loop). Each stage is printed as its share of the samples and as CPU µs per call (the share of the gateway's
+CPU seconds over the load, from /proc, divided by the calls), with its innermost functions that took the
+most samples (``--top``, each at least 0.5 %). ``--gil`` samples only the thread holding the GIL: the
+gateway is one Python process, so that is the time its calls queue for. Needs ``py-spy`` (``pip install py-spy``) and ``tracegym models prepare tiny-random``."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.gateway_overhead import _bodies, _cpu_seconds, _run_load, _tokenizer_dir
+from benchmarks.machine import describe
+from tracegym.procs import free_port, start_process
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROJECT_STAGES = (  # path fragment of a project frame → stage, most specific first
+    ("gateway/traces/", "recording the span (encode, queue, store, commit)"),
+    ("gateway/proxy/prompt/", "prompt: render and tokenize, prefix plan"),
+    ("gateway/proxy/upstream/", "upstream hop (request to the engine, its reply)"),
+    ("gateway/proxy/", "call path: request, reply reading and building"),
+    ("gateway/", "gateway other (app, middleware, API)"),
+    ("sdk/", "tracegym package other"),
+)
+LIBRARY_STAGES = (  # path fragment of a frame → stage, for stacks without a project frame
+    ("uvicorn/", "HTTP server (uvicorn, httptools)"),
+    ("httptools", "HTTP server (uvicorn, httptools)"),
+    ("starlette/", "ASGI framework (Starlette, FastAPI)"),
+    ("fastapi/", "ASGI framework (Starlette, FastAPI)"),
+    ("sqlalchemy/", "store (SQLAlchemy, sqlite3) outside a project frame"),
+    ("asyncio/", "event loop (uvloop's own work: sockets, callbacks)"),
+    ("uvloop/", "event loop (uvloop's own work: sockets, callbacks)"),
+)
+
+
+LOOP_AND_THREADS = (  # innermost frames of the event loop's own C work and of threads handing off
+    ("asyncio/runners.py", "event loop (uvloop's own work: sockets, callbacks)"),
+    ("asyncio/base_events.py", "event loop (uvloop's own work: sockets, callbacks)"),
+    ("threading.py", "threads (waits, hand-offs)"),
+    ("concurrent/futures/", "threads (waits, hand-offs)"),
+)
+
+
+def stage_of(frames: list[str]) -> str:
+    """The stage of one sampled stack (``frames`` root first, each ``function (path:line)``)."""
+    for frame in reversed(frames):
+        path = frame.rpartition("(")[2]
+        for fragment, stage in LOOP_AND_THREADS:
+            if fragment in path:
+                return stage
+        if "site-packages" in path or "/lib/python" in path:
+            continue
+        for fragment, stage in PROJECT_STAGES:
+            if fragment in path:
+                return stage
+    for frame in reversed(frames):
+        for fragment, stage in LIBRARY_STAGES:
+            if fragment in frame:
+                return stage
+    return "other"
+
+
+def read_raw(path: Path) -> list[tuple[list[str], int]]:
+    """py-spy's ``--format raw`` output: one ``frame;frame;... count`` line per distinct stack."""
+    stacks = []
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            stacks.append((stack.split(";"), int(count)))
+    return stacks
+
+
+def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Namespace) -> None:
+    """One gateway in ``mode``: warm up, then the load at c=32 under py-spy; prints its stage table."""
+    gport = free_port()
+    gw = start_process([sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport), "--upstream",
+                        f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store",
+                        f"sqlite:///{tmp / f'tg-{mode}.db'}", "--durability", mode, "--log-level", "warning"],
+                       port=gport, health_path="/healthz", log_path=tmp / f"gw-{mode}.log", cwd=REPO, timeout=120)
+    try:
+        body, path = _bodies("chat", str(tok_dir), False)
+        url = f"http://127.0.0.1:{gport}/v1{path}"
+        _run_load(url, body, 32, 2000, tmp, [])  # warm-up: caches, connections, the store's first pages
+        out = tmp / f"{mode}.raw"
+        spy = subprocess.Popen(["py-spy", "record", "--pid", str(gw.proc.pid), "--rate", str(a.rate), "--format",
+                                "raw", "--output", str(out), *a.spy_args],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cpu0, t0 = _cpu_seconds(gw.proc.pid), time.monotonic()
+        load = _run_load(url, body, 32, a.requests, tmp, [])  # the chat call of benchmarks.gateway_overhead
+        cpu_us = 1e6 * (_cpu_seconds(gw.proc.pid) - cpu0) / (a.requests + 200)
+        seconds = time.monotonic() - t0
+        spy.send_signal(2)  # py-spy writes its output on SIGINT
+        _, err = spy.communicate(timeout=60)
+        if not out.exists():
+            raise SystemExit(f"py-spy wrote no profile: {err.strip()[-500:]}")
+        report(mode, read_raw(out), cpu_us, load, a, seconds)
+    finally:
+        gw.stop()
+
+
+def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: dict, a: argparse.Namespace,
+           seconds: float) -> None:
+    """The stage table of one mode. Without ``--gil`` a stage's µs per call is its share of the gateway's CPU
+    per call; with ``--gil`` the samples cover only the thread holding the GIL, and the table gives the share
+    of the GIL's busy time and how busy it was (samples against the samples of a GIL held throughout)."""
+    total = sum(n for _, n in stacks) or 1
+    top = a.top
+    stages: collections.Counter[str] = collections.Counter()
+    leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for frames, n in stacks:
+        stage = stage_of(frames)
+        stages[stage] += n
+        leaves[stage][frames[-1]] += n
+    print(f"\n--durability {mode}: {load.get('rps', 0):.0f} req/s at c=32, gateway CPU {cpu_us:.0f} µs per call "
+          f"(all threads), {total} samples")
+    if a.gil:
+        print(f"GIL held in {100 * total / (a.rate * seconds):.0f} % of the samples py-spy meant to take "
+              f"({a.rate}/s over {seconds:.1f} s)")
+    print(f"{'stage':58} {'share':>6} {'' if a.gil else 'µs/call':>8}")
+    for stage, n in stages.most_common():
+        print(f"{stage:58} {100 * n / total:>5.1f}% {'' if a.gil else f'{cpu_us * n / total:.0f}':>8}")
+        for leaf, k in leaves[stage].most_common(top):
+            if k >= total / 200:  # functions under 0.5 % of the samples are left out
+                print(f"    {100 * k / total:>5.1f}%  {leaf[:120]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--durability", choices=["commit", "async", "both"], default="both")
+    p.add_argument("--requests", type=int, default=12000, help="calls sampled per mode, at c=32")
+    p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    p.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil)")
+    p.add_argument("--top", type=int, default=4, help="innermost functions listed per stage")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the tiny-random cache)")
+    a = p.parse_args()
+    a.spy_args = ["--nonblocking", *(["--gil"] if a.gil else [])]
+    if shutil.which("py-spy") is None:
+        raise SystemExit("py-spy is not installed: pip install py-spy")
+    tok_dir = _tokenizer_dir(a.tokenizer)
+    print(describe())
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        fport = free_port()
+        fake = start_process([sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport), "--tokenizer",
+                              str(tok_dir)], port=fport, health_path="/health", log_path=tmp / "fake.log", cwd=REPO,
+                             timeout=120)
+        try:
+            for mode in (("commit", "async") if a.durability == "both" else (a.durability,)):
+                profile_mode(mode, fport, tok_dir, tmp, a)
+        finally:
+            fake.stop()
+    print(f"\n{describe()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -61,18 +61,16 @@ async def test_async_agent_concurrency_bound(gw: FakeGateway) -> None:
         finally:
             now -= 1
 
-    start = time.monotonic()
     stats = await run_agent(counting, gw.url, 3, exit_when_idle=True, poll_interval=0.05)
-    assert stats.done == 6 and peak == 3
-    assert time.monotonic() - start < 1.5  # 2 waves of 0.2 s, not 6 in series
+    assert stats.done == 6 and peak == 3  # three at once (not one after another), never four
     assert all(len(gw.state.rewards(r)) == 1 for r in rids)
 
 
 async def test_sync_agents_run_in_parallel_threads(gw: FakeGateway) -> None:
-    enqueue(gw, [{"sleep": 0.3}] * 4)
+    enqueue(gw, [{"sleep": 1.0}] * 4)
     start = time.monotonic()
     stats = await run_agent(agents.slow, gw.url, 4, exit_when_idle=True, poll_interval=0.05)
-    assert stats.done == 4 and time.monotonic() - start < 1.0
+    assert stats.done == 4 and time.monotonic() - start < 3.5  # one after another: at least 4 s
 
 
 async def test_max_rollouts(gw: FakeGateway) -> None:
@@ -88,7 +86,7 @@ async def test_stop_event_releases_after_grace(gw: FakeGateway, agent: Any) -> N
     asyncio.get_running_loop().call_later(0.3, stop.set)
     start = time.monotonic()
     stats = await run_agent(agent, gw.url, 2, stop_event=stop, grace_seconds=0.3, poll_interval=0.05)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0  # the agents' 5 s were not waited out
     assert stats.released == 2 and stats.done == 0
     assert status(gw, rids) == [("queued", None)] * 2
 

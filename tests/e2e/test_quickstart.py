@@ -13,7 +13,6 @@ from tracegym.trainer.run.teacher import kept_weights
 
 
 @pytest.mark.slow
-@pytest.mark.learns
 def test_quickstart_reward_rises(quickstart_trained: tuple[Path, list[dict[str, Any]]]) -> None:
     run, rows = quickstart_trained
     evals = [r for r in rows if r["kind"] == "eval"]

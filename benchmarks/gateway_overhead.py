@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tracegym.procs import free_port, start_process
+from tracegym.procs import ManagedProcess, free_port, start_process
 
 REPO = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "system", "content": "You are a careful math tutor."},
@@ -217,23 +217,39 @@ def _summary(results: dict[tuple[str, bool], Points]) -> None:
               f"{rps / chat_rps:>6.2f} {cpu:>16.0f} {cpu / chat_cpu:>6.2f}")
 
 
+def start_fake(tok_dir: Path, tmp: Path, pin: list[str]) -> tuple[ManagedProcess, int]:
+    """The zero-latency SGLang fake (benchmarks/fake_sglang.py) on a free port: (its process, its port)."""
+    port = free_port()
+    return start_process([*pin, sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(port), "--tokenizer",
+                          str(tok_dir)], port=port, health_path="/health", log_path=tmp / f"fake-{port}.log",
+                         cwd=REPO, timeout=120), port
+
+
+def start_gateway(fport: int, tok_dir: Path, store: str, durability: str, tmp: Path, name: str,
+                  pin: list[str]) -> tuple[ManagedProcess, int]:
+    """``tracegym serve`` in front of the fake on ``fport``, recording into ``store`` with ``durability``, its
+    log ``tmp/{name}.log``: (its process, its port)."""
+    port = free_port()
+    argv = [*pin, sys.executable, "-m", "tracegym.cli", "serve", "--port", str(port), "--upstream",
+            f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store", store, "--durability", durability,
+            "--log-level", "warning"]
+    return start_process(argv, port=port, health_path="/healthz", log_path=tmp / f"{name}.log", cwd=REPO,
+                         timeout=120), port
+
+
 def _durability_both(a: argparse.Namespace, tok_dir: Path, tmp: Path, pin: tuple[list[str], list[str]]) -> bool:
     """Commit-before-ack on and off, one gateway each, the same load alternated at each point."""
     from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
-    procs, fport = [], free_port()
+    procs: list[ManagedProcess] = []
     modes = ("commit", "async")
-    ports = {m: free_port() for m in modes}
+    ports: dict[str, int] = {}
     try:
-        procs.append(start_process([*pin[1], sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport),
-                                    "--tokenizer", str(tok_dir)], port=fport, health_path="/health",
-                                   log_path=tmp / "fake.log", cwd=REPO, timeout=120))
+        fake, fport = start_fake(tok_dir, tmp, pin[1])
+        procs.append(fake)
         for m in modes:
-            procs.append(start_process([*pin[0], sys.executable, "-m", "tracegym.cli", "serve", "--port", str(ports[m]),
-                                        "--upstream", f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store",
-                                        f"sqlite:///{tmp / f'tg-{m}.db'}", "--durability", m, "--log-level",
-                                        "warning"], port=ports[m], health_path="/healthz",
-                                       log_path=tmp / f"gw-{m}.log", cwd=REPO, timeout=120))
+            gw, ports[m] = start_gateway(fport, tok_dir, f"sqlite:///{tmp / f'tg-{m}.db'}", m, tmp, f"gw-{m}", pin[0])
+            procs.append(gw)
         tok = ChatTokenizer.from_dir(tok_dir)
         ids = tok.apply(MESSAGES)
         direct = {"input_ids": ids, "rid": "bench", "return_logprob": True, "stream": False,
@@ -313,18 +329,13 @@ def main() -> None:
         if not ok:
             raise SystemExit(1)
         return
-    fport, gport = free_port(), free_port()
     store = f"sqlite:///{tmp / 'tg.db'}" if a.store == "sqlite" else "none"
-    procs = []
+    procs: list[ManagedProcess] = []
     try:
-        procs.append(start_process([*pin_other, sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport),
-                                    "--tokenizer", str(tok_dir)], port=fport, health_path="/health",
-                                   log_path=tmp / "fake.log", cwd=REPO, timeout=120))
-        procs.append(start_process([*pin_gw, sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport),
-                                    "--upstream", f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store",
-                                    store, "--durability", a.durability, "--log-level", "warning"], port=gport,
-                                   health_path="/healthz",
-                                   log_path=tmp / "gw.log", cwd=REPO, timeout=120))
+        fake, fport = start_fake(tok_dir, tmp, pin_other)
+        procs.append(fake)
+        gw, gport = start_gateway(fport, tok_dir, store, a.durability, tmp, "gw", pin_gw)
+        procs.append(gw)
         from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 
         tok = ChatTokenizer.from_dir(tok_dir)

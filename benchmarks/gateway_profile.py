@@ -12,24 +12,29 @@ a stack with no project frame goes to the library it is in (the HTTP server, the
 loop). Each stage is printed as its share of the samples and as CPU µs per call (the share of the gateway's
 CPU seconds over the load, from /proc, divided by the calls), with its innermost functions that took the
 most samples (``--top``, each at least 0.5 %). ``--gil`` samples only the thread holding the GIL: the
-gateway is one Python process, so that is the time its calls queue for. Needs ``py-spy`` (``pip install py-spy``) and ``tracegym models prepare tiny-random``."""
+gateway is one Python process, so that is the time its calls queue for. Needs ``py-spy`` (``pip install
+py-spy``) and ``tracegym models prepare tiny-random``."""
 
 from __future__ import annotations
 
 import argparse
 import collections
 import shutil
+import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.gateway_overhead import _bodies, _cpu_seconds, _run_load, _tokenizer_dir
+from benchmarks.gateway_overhead import (
+    _bodies,
+    _cpu_seconds,
+    _run_load,
+    _tokenizer_dir,
+    start_fake,
+    start_gateway,
+)
 from benchmarks.machine import describe
-from tracegym.procs import free_port, start_process
-
-REPO = Path(__file__).resolve().parents[1]
 
 PROJECT_STAGES = (  # path fragment of a project frame → stage, most specific first
     ("gateway/traces/", "recording the span (encode, queue, store, commit)"),
@@ -39,6 +44,12 @@ PROJECT_STAGES = (  # path fragment of a project frame → stage, most specific 
     ("gateway/", "gateway other (app, middleware, API)"),
     ("sdk/", "tracegym package other"),
 )
+LOOP_AND_THREADS = (  # innermost frames of the event loop's own C work and of threads handing off
+    ("asyncio/runners.py", "event loop (uvloop's own work: sockets, callbacks)"),
+    ("asyncio/base_events.py", "event loop (uvloop's own work: sockets, callbacks)"),
+    ("threading.py", "threads (waits, hand-offs)"),
+    ("concurrent/futures/", "threads (waits, hand-offs)"),
+)
 LIBRARY_STAGES = (  # path fragment of a frame → stage, for stacks without a project frame
     ("uvicorn/", "HTTP server (uvicorn, httptools)"),
     ("httptools", "HTTP server (uvicorn, httptools)"),
@@ -47,14 +58,6 @@ LIBRARY_STAGES = (  # path fragment of a frame → stage, for stacks without a p
     ("sqlalchemy/", "store (SQLAlchemy, sqlite3) outside a project frame"),
     ("asyncio/", "event loop (uvloop's own work: sockets, callbacks)"),
     ("uvloop/", "event loop (uvloop's own work: sockets, callbacks)"),
-)
-
-
-LOOP_AND_THREADS = (  # innermost frames of the event loop's own C work and of threads handing off
-    ("asyncio/runners.py", "event loop (uvloop's own work: sockets, callbacks)"),
-    ("asyncio/base_events.py", "event loop (uvloop's own work: sockets, callbacks)"),
-    ("threading.py", "threads (waits, hand-offs)"),
-    ("concurrent/futures/", "threads (waits, hand-offs)"),
 )
 
 
@@ -89,11 +92,7 @@ def read_raw(path: Path) -> list[tuple[list[str], int]]:
 
 def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Namespace) -> None:
     """One gateway in ``mode``: warm up, then the load at c=32 under py-spy; prints its stage table."""
-    gport = free_port()
-    gw = start_process([sys.executable, "-m", "tracegym.cli", "serve", "--port", str(gport), "--upstream",
-                        f"http://127.0.0.1:{fport}", "--model", str(tok_dir), "--store",
-                        f"sqlite:///{tmp / f'tg-{mode}.db'}", "--durability", mode, "--log-level", "warning"],
-                       port=gport, health_path="/healthz", log_path=tmp / f"gw-{mode}.log", cwd=REPO, timeout=120)
+    gw, gport = start_gateway(fport, tok_dir, f"sqlite:///{tmp / f'tg-{mode}.db'}", mode, tmp, f"gw-{mode}", [])
     try:
         body, path = _bodies("chat", str(tok_dir), False)
         url = f"http://127.0.0.1:{gport}/v1{path}"
@@ -102,12 +101,14 @@ def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Na
         spy = subprocess.Popen(["py-spy", "record", "--pid", str(gw.proc.pid), "--rate", str(a.rate), "--format",
                                 "raw", "--output", str(out), *a.spy_args],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        cpu0, t0 = _cpu_seconds(gw.proc.pid), time.monotonic()
-        load = _run_load(url, body, 32, a.requests, tmp, [])  # the chat call of benchmarks.gateway_overhead
-        cpu_us = 1e6 * (_cpu_seconds(gw.proc.pid) - cpu0) / (a.requests + 200)
-        seconds = time.monotonic() - t0
-        spy.send_signal(2)  # py-spy writes its output on SIGINT
-        _, err = spy.communicate(timeout=60)
+        try:
+            cpu0, t0 = _cpu_seconds(gw.proc.pid), time.monotonic()
+            load = _run_load(url, body, 32, a.requests, tmp, [])  # the chat call of benchmarks.gateway_overhead
+            cpu_us = 1e6 * (_cpu_seconds(gw.proc.pid) - cpu0) / (a.requests + 200)  # + its 200 warm-up calls
+            seconds = time.monotonic() - t0
+        finally:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+            _, err = spy.communicate(timeout=60)
         if not out.exists():
             raise SystemExit(f"py-spy wrote no profile: {err.strip()[-500:]}")
         report(mode, read_raw(out), cpu_us, load, a, seconds)
@@ -121,7 +122,6 @@ def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: 
     per call; with ``--gil`` the samples cover only the thread holding the GIL, and the table gives the share
     of the GIL's busy time and how busy it was (samples against the samples of a GIL held throughout)."""
     total = sum(n for _, n in stacks) or 1
-    top = a.top
     stages: collections.Counter[str] = collections.Counter()
     leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for frames, n in stacks:
@@ -136,7 +136,7 @@ def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: 
     print(f"{'stage':58} {'share':>6} {'' if a.gil else 'µs/call':>8}")
     for stage, n in stages.most_common():
         print(f"{stage:58} {100 * n / total:>5.1f}% {'' if a.gil else f'{cpu_us * n / total:.0f}':>8}")
-        for leaf, k in leaves[stage].most_common(top):
+        for leaf, k in leaves[stage].most_common(a.top):
             if k >= total / 200:  # functions under 0.5 % of the samples are left out
                 print(f"    {100 * k / total:>5.1f}%  {leaf[:120]}")
 
@@ -157,10 +157,7 @@ def main() -> None:
     print(describe())
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        fport = free_port()
-        fake = start_process([sys.executable, "-m", "benchmarks.fake_sglang", "--port", str(fport), "--tokenizer",
-                              str(tok_dir)], port=fport, health_path="/health", log_path=tmp / "fake.log", cwd=REPO,
-                             timeout=120)
+        fake, fport = start_fake(tok_dir, tmp, [])
         try:
             for mode in (("commit", "async") if a.durability == "both" else (a.durability,)):
                 profile_mode(mode, fport, tok_dir, tmp, a)

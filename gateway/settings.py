@@ -67,7 +67,8 @@ class GatewaySettings(BaseSettings):
     loses the spans still queued). docs/security.md."""
     commit_delay_s: float = Field(default=0.002, ge=0)
     """With ``durability="commit"``: how long the first span of a commit group may wait for the spans of
-    other calls in flight, so that one transaction carries many (``traces/acks.CommitGroup``). A call
+    other calls in flight, so that one transaction carries many (``traces/acks.CommitGroup``), where the
+    event loop does not commit them itself (PostgreSQL; SQLite while another writer is busy). A call
     alone in the gateway never waits for it. 0: commit what is there at once."""
     commit_timeout_s: float = Field(default=10.0, gt=0)
     """With ``durability="commit"``: how long a call waits for its span's commit (a stalled or locked

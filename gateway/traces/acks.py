@@ -1,18 +1,20 @@
 """Commit acknowledgements for the span recorder (``recorder.TraceRecorder.record_durably``).
 
 A call that must not be answered before its span is committed hands the recorder an ``asyncio.Future``
-made on its event loop (an ``Ack``); the record travels the recorder's queue with it, the build thread
-keeps the acks of each encoded batch next to the batch (``Built``), and the write thread settles them once
-the transaction holding the batch committed (``True``) or was given up (``False``). Many calls share one
-commit (group commit), and each batch costs one ``call_soon_threadsafe`` per event loop, not one per call.
+made on its event loop (an ``Ack``); the record travels the recorder's queue with it, whoever encodes the
+queue keeps the acks of each encoded batch next to the batch (``Built``), and whoever writes the batch
+settles them once its transaction committed (``True``) or was given up (``False``). Many calls share one
+commit (group commit). On SQLite that is mostly the event loop itself, at the end of the turn in which its
+calls recorded (``recorder.StoreSpanProcessor._commit_here``), settling its own acks directly; else the
+build and write threads, and each batch costs one ``call_soon_threadsafe`` per event loop, not one per call.
 
-``CommitGroup`` decides when the waiting calls are committed. A transaction costs about as much for one
-span as for ten (SQLite: ~0.15 ms of CPU, most of it per transaction; PostgreSQL: the server's WAL
-flush), and calls arrive too far apart for a transaction to find company by itself (3,000 calls/s are one
-per 0.33 ms), so the build thread holds the first waiting call's span up to ``delay_s`` for the calls
-still on their way, as PostgreSQL's ``commit_delay`` does when ``commit_siblings`` other transactions are
-open. A call on its way is one in flight in the gateway (``in_flight``, the admission count) that has not
-handed in its record: with none (one client at a time), the group is committed at once and waits nothing.
+``CommitGroup`` decides when the calls waiting in the threads are committed. A transaction costs about as
+much for one span as for ten (SQLite: its statements and commit; PostgreSQL: the server's WAL flush), and
+calls arrive too far apart for a transaction to find company by itself, so the build thread holds the
+first waiting call's span up to ``delay_s`` for the calls still on their way, as PostgreSQL's
+``commit_delay`` does when ``commit_siblings`` other transactions are open. A call on its way is one in
+flight in the gateway (``in_flight``, the admission count) that has not handed in its record: with none
+(one client at a time), the group is committed at once and waits nothing.
 """
 
 from __future__ import annotations
@@ -43,11 +45,16 @@ def _resolve(acks: list[Ack], ok: bool) -> None:
 
 
 def settle(acks: Iterable[Ack], ok: bool) -> None:
-    """Resolve ``acks`` from any thread, one callback per event loop."""
+    """Resolve ``acks`` from any thread: those of the thread's own running loop at once, the others with one
+    callback per event loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Ack]] = {}
     for a in acks:
         by_loop.setdefault(a.get_loop(), []).append(a)
+    running = asyncio._get_running_loop()  # None off a loop (the recorder's threads)
     for loop, group in by_loop.items():
+        if loop is running:
+            _resolve(group, ok)
+            continue
         try:
             loop.call_soon_threadsafe(_resolve, group, ok)
         except RuntimeError:  # the loop is closed: nobody waits for these any more

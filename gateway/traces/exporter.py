@@ -115,6 +115,8 @@ class StoreSpanExporter(SpanExporter):
         self.metrics = metrics
         self.retries = retries
         self.source = source
+        self.can_export_now = getattr(store, "dialect", None) == "sqlite" and hasattr(store, "insert_spans_now")
+        """The store can take a batch without waiting (``export_now``): SQLite."""
 
     def add_span(self, batch: SpanBatch, span: ReadableSpan) -> None:
         """Append ``span``'s row to ``batch`` (an unstorable span is counted as dropped and logged)."""
@@ -152,6 +154,21 @@ class StoreSpanExporter(SpanExporter):
                     return SpanExportResult.FAILURE
                 time.sleep(0.1 * 2**attempt)
         return SpanExportResult.FAILURE
+
+    def export_now(self, batch: SpanBatch) -> bool:
+        """Insert a non-empty ``batch`` at once if the store can without waiting for its write lock (SQLite's
+        ``insert_spans_now``, on the caller's thread): True once stored; False when it cannot now (another
+        writer holds the lock, no such path, or the write failed), nothing written or counted: the caller
+        then hands the batch to ``export_batch``, which waits, retries and counts."""
+        if not self.can_export_now:
+            return False
+        try:
+            self.store.insert_spans_now(batch)  # type: ignore[attr-defined]
+        except Exception:  # StoreBusy mostly; anything else is export_batch's to retry, log and count
+            log.debug("span batch not written at once; handed to the write thread", exc_info=True)
+            return False
+        self.metrics.exported.inc(len(batch))
+        return True
 
     def shutdown(self) -> None:
         pass

@@ -5,8 +5,9 @@ straight from the records (``call_spans.call_record_store_row``) into ``SpanBatc
 inserts them (``Store.insert_spans``) while the next batch is encoded (``StoreSpanProcessor``). Extra span
 processors (``add_span_processor``, e.g. OTLP) get each call as a finished ``CallSpan``. Every lost span is
 counted in ``tracegym_spans_dropped_total{reason=...}`` and logged; ``force_flush`` and ``shutdown`` wait
-for what was queued; ``record_durably`` also returns an ``acks.Ack`` that the write thread settles once
-the span's transaction committed (group commit: the calls waiting share one transaction). Unlike
+for what was queued; ``record_durably`` also returns an ``acks.Ack`` that is settled once the span's
+transaction committed (group commit: the calls waiting share one transaction; on SQLite the calls' event
+loop commits them itself when nothing else is writing). Unlike
 ``BatchSpanProcessor``, which drops with only an OpenTelemetry-metrics counter and drops a failed batch
 after logging, this retries the store and reports losses in Prometheus.
 """
@@ -71,9 +72,11 @@ class StoreSpanProcessor(SpanProcessor):
     write thread wants the GIL back while the build thread encodes, it waits up to the switch interval
     (``GatewaySettings.switch_interval_s``), hence few statements per transaction (``store.span_insert``).
 
-    Spans that calls wait for (``enqueue_call`` with an ack) gather in the build thread's ``CommitGroup``
-    until it is due (``commit_delay_s``, ``in_flight``: see ``acks``); then the build thread commits the
-    group itself when the writer is idle (a thread hand-off sooner), else queues it for the writer.
+    Spans that calls wait for (``enqueue_call`` with an ack) are committed by the calls' event loop once its
+    turn ran, when the store can write without waiting (SQLite) and both threads are idle (``_commit_here``).
+    Else they gather in the build thread's ``CommitGroup`` until it is due (``commit_delay_s``,
+    ``in_flight``: see ``acks``); then the build thread commits the group itself when the writer is idle (a
+    thread hand-off sooner), else queues it for the writer.
     """
 
     def __init__(self, exporter: StoreSpanExporter, metrics: SpanMetrics, *, max_queue_size: int = 50_000,
@@ -153,8 +156,52 @@ class StoreSpanProcessor(SpanProcessor):
 
     def _kick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._kicks.discard(loop)
+        if self._commit_here() and not self._queue:
+            return
         if not self._wake.is_set():
             self._wake.set()
+
+    def _commit_here(self) -> bool:
+        """On the event loop, once its turn ran: write what is queued in this thread, in one transaction, and
+        settle the acks of this loop directly, when the store can write without waiting (SQLite) and neither
+        the build thread nor the write thread is busy. The calls' event loop holds the GIL for most of their
+        life, so a hand-off to the threads and back costs two thread wake-ups and, for the write thread, a
+        wait for the GIL after each statement; here the loop waits only for SQLite's own work. True when it
+        took the queue (a batch the store was too busy for goes to the write thread, which waits for it)."""
+        if not self.exporter.can_export_now or self._shutdown or self._flushes:
+            return False
+        if not self._build_lock.acquire(blocking=False):
+            return False
+        try:
+            if self.group.built is not None or not self._batches.empty():
+                return False
+            if not self._write_lock.acquire(blocking=False):
+                return False
+            try:
+                built = self._build(self._take(self.max_batch_size))
+                if not built.batch:
+                    return True
+                if self.exporter.export_now(built.batch):
+                    self.group.settled += len(built.acks)
+                    settle(built.acks, True)
+                else:
+                    self._batches.put(built)  # the writer takes it once this thread lets go of the write lock
+                return True
+            finally:
+                self._write_lock.release()
+        finally:
+            self._build_lock.release()
+
+    def _take(self, n: int) -> list[QueueItem]:
+        """Up to ``n`` queued items, stopping before a ``force_flush`` marker (left for the build thread)."""
+        q, items = self._queue, []
+        while q and len(items) < n:
+            item = q.popleft()
+            if type(item) is _Flush:
+                q.appendleft(item)
+                break
+            items.append(item)
+        return items
 
     def _drop(self, reason: str) -> None:
         self.metrics.dropped.labels(reason).inc()

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import base64
 import math
+import sqlite3
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from itertools import chain, repeat
 from typing import Any
 
 import orjson
@@ -22,10 +26,13 @@ import sqlalchemy as sa
 
 from tracegym.gateway.traces.store.checkpoint import Checkpointer
 from tracegym.gateway.traces.store.span_rows import json_text
+from tracegym.gateway.traces.store.store_errors import StoreBusy
 
 PAGE_IDS = 500
 """Rollout ids per ``IN (...)`` / ``ANY(...)`` query (well under SQLite's bound-parameter limit)."""
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+_BUSY_PAUSES_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.025, 0.025, 0.05, 0.05, 0.1)
+"""The span writer's pauses between tries for the write lock (SQLite's own busy handler's)."""
 SQLITE_PAGE_SIZE = 16_384
 """Page size of a new SQLite store (ignored for an existing file): a span row of a few KB fits a 16 KiB page
 without overflow chains, and large pages split less often than the default 4 KiB."""
@@ -88,12 +95,15 @@ def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
 
 class Database:
     """Owns the engine; ``write()`` / ``read()`` yield a connection inside one transaction. On SQLite its
-    connections do not checkpoint the WAL as they commit: its ``Checkpointer`` thread does, after writes."""
+    connections do not checkpoint the WAL as they commit: its ``Checkpointer`` thread does, after writes;
+    and span batches are written on a connection of their own (``span_write``)."""
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
         self.checkpointer: Checkpointer | None = None
+        self._span_conn: sqlite3.Connection | None = None
+        self._span_lock = threading.Lock()
         if self.dialect == "sqlite":
             sa.event.listen(engine, "connect", _no_autocheckpoint)
             self.checkpointer = Checkpointer(engine.url.database or "")
@@ -107,8 +117,56 @@ class Database:
         if self.checkpointer is not None:
             self.checkpointer.written()
 
+    @contextmanager
+    def span_write(self, wait_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -> Iterator[sqlite3.Connection]:
+        """SQLite: a write transaction on the store's span writer, a DBAPI connection of its own (no pool, no
+        SQLAlchemy events: a span batch is a few raw statements), committed on exit and rolled back on an
+        error. It waits up to ``wait_s`` for the write lock and for the writer, polling as SQLite's busy
+        handler does; with 0 it never waits, for a caller that must not block (an event loop). Raises
+        ``StoreBusy``, having written nothing, when the lock stayed taken (another writer's transaction) or
+        the store is not SQLite. One writer connection, so that its page cache stays valid between batches."""
+        if self.dialect != "sqlite":
+            raise StoreBusy("only SQLite has a span writer")
+        deadline = time.monotonic() + wait_s
+        if not (self._span_lock.acquire(timeout=wait_s) if wait_s > 0 else self._span_lock.acquire(False)):
+            raise StoreBusy("the span writer is in use")
+        try:
+            conn = self._span_conn
+            if conn is None:  # the engine's connect hooks set it up; it leaves the pool for good
+                fairy = self.engine.raw_connection()
+                fairy.detach()
+                conn = fairy.dbapi_connection
+                conn.execute("PRAGMA busy_timeout = 0")  # BUSY at once: the waiting is below, within wait_s
+                self._span_conn = conn
+            for pause in chain(_BUSY_PAUSES_S, repeat(_BUSY_PAUSES_S[-1])):
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    break
+                except sqlite3.OperationalError as e:
+                    if e.sqlite_errorcode != sqlite3.SQLITE_BUSY:  # not another writer's open transaction
+                        raise
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise StoreBusy(str(e)) from e
+                    time.sleep(min(pause, left))
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        finally:
+            self._span_lock.release()
+        if self.checkpointer is not None:
+            self.checkpointer.written()
+
     def close(self) -> None:
         """Dispose of the connection pool (on SQLite: checkpoint what is left first)."""
+        with self._span_lock:
+            if self._span_conn is not None:
+                self._span_conn.close()
+                self._span_conn = None
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.engine.dispose()

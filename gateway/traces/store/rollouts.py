@@ -119,18 +119,23 @@ def _checked_ids(items: Iterable[tuple[str, str | None]]) -> dict[str, str | Non
     return out
 
 
-def _execute_values(db: Database, conn: sa.Connection, head: str, tail: str, rows: list[tuple]) -> None:
-    """``span_insert.execute_values`` of ``rows`` on the transaction's DBAPI connection, as many rows per
-    statement as the dialect's parameter limit allows; nothing for no rows."""
+def _execute_values(dialect: str, raw: Any, head: str, tail: str, rows: list[tuple]) -> None:
+    """``span_insert.execute_values`` of ``rows`` on the transaction's DBAPI connection ``raw``, as many rows
+    per statement as the dialect's parameter limit allows; nothing for no rows."""
     if not rows:
         return
-    raw = conn.connection.dbapi_connection
     cur = raw.cursor()
     try:
-        execute_values(cur, head, tail, rows, rows_per_statement(raw, db.dialect, len(rows[0])),
-                       _MARK[db.dialect])
+        execute_values(cur, head, tail, rows, rows_per_statement(raw, dialect, len(rows[0])), _MARK[dialect])
     finally:
         cur.close()
+
+
+def _new_rollout_rows(items: Iterable[tuple[str, str | None]], status: str) -> list[tuple]:
+    """The ``_ROLLOUT_INSERT_HEAD`` rows of rollouts ``(rollout_id, task_id)`` with ``status``."""
+    check_status(status)
+    t = now()
+    return [(rid, tid, None, status, 1, 1, False, t) for rid, tid in _checked_ids(items).items()]
 
 
 def ensure_rollouts(db: Database, conn: sa.Connection, items: Iterable[tuple[str, str | None]],
@@ -142,11 +147,8 @@ def ensure_rollouts(db: Database, conn: sa.Connection, items: Iterable[tuple[str
     of rollouts, and a row-by-row insert would wait for the GIL once per row on SQLite (see
     ``span_insert``). The values are those SQLAlchemy would bind (``reward_final`` False is 0 on SQLite, a
     boolean on PostgreSQL)."""
-    check_status(status)
-    items = _checked_ids(items)
-    t = now()
-    rows = [(rid, tid, None, status, 1, 1, False, t) for rid, tid in items.items()]
-    _execute_values(db, conn, _ROLLOUT_INSERT_HEAD, _ROLLOUT_INSERT_TAIL, rows)
+    _execute_values(db.dialect, conn.connection.dbapi_connection, _ROLLOUT_INSERT_HEAD, _ROLLOUT_INSERT_TAIL,
+                    _new_rollout_rows(items, status))
 
 
 def update_weight_versions(db: Database, conn: sa.Connection, versions: dict[str, str]) -> None:
@@ -154,12 +156,13 @@ def update_weight_versions(db: Database, conn: sa.Connection, versions: dict[str
     ``WITH v (rid, wv) AS (VALUES ...) UPDATE rollouts ... FROM v`` (one per ``rows_per_statement``
     rollouts; see ``ensure_rollouts`` for why not row by row). SQLite before 3.33 has no ``UPDATE ...
     FROM``: there the rows are updated one by one."""
+    raw = conn.connection.dbapi_connection
     if db.dialect == "sqlite" and sqlite3.sqlite_version_info < _SQLITE_UPDATE_FROM:
-        conn.connection.dbapi_connection.executemany(
+        raw.executemany(
             "UPDATE rollouts SET weight_version = ? WHERE rollout_id = ? AND weight_version IS NOT ?",
             [(wv, rid, wv) for rid, wv in versions.items()])
         return
-    _execute_values(db, conn, _VERSIONS_HEAD, _VERSIONS_TAIL[db.dialect], list(versions.items()))
+    _execute_values(db.dialect, raw, _VERSIONS_HEAD, _VERSIONS_TAIL[db.dialect], list(versions.items()))
 
 
 _SPAN_ROLLOUTS_HEAD = ("INSERT INTO rollouts (rollout_id, task_id, group_id, status, attempt, max_attempts, "
@@ -177,11 +180,11 @@ _SPAN_UPDATE_TAIL = (") UPDATE rollouts SET weight_version = coalesce(v.wv, roll
                      "OR (rollouts.task_id IS NULL AND v.tid IS NOT NULL))")
 
 
-def write_span_rollouts(db: Database, conn: sa.Connection, tasks: dict[str, str | None],
-                        versions: dict[str, str]) -> None:
-    """The rollouts side of a span batch: create the missing rollouts ``{rollout_id: task_id}`` (status
-    ``adhoc``), set ``weight_version`` to ``versions[rollout_id]`` where it differs, and fill a missing
-    ``task_id`` from the spans (a rollout created by a reward or an event before its first call has none).
+def write_span_rollouts(dialect: str, raw: Any, tasks: dict[str, str | None], versions: dict[str, str]) -> None:
+    """The rollouts side of a span batch, on the transaction's DBAPI connection ``raw``: create the missing
+    rollouts ``{rollout_id: task_id}`` (status ``adhoc``), set ``weight_version`` to
+    ``versions[rollout_id]`` where it differs, and fill a missing ``task_id`` from the spans (a rollout
+    created by a reward or an event before its first call has none).
 
     SQLite: in one statement, a multi-row upsert (a new rollout is inserted with its version, an existing
     one updated where the version differs or its task is missing), since each statement costs the write
@@ -189,17 +192,18 @@ def write_span_rollouts(db: Database, conn: sa.Connection, tasks: dict[str, str 
     one ``UPDATE ... FROM (VALUES ...)``, because an upsert's ``DO UPDATE`` would lock every conflicting
     rollout row until commit (queue claims skip locked rows), while the ``UPDATE`` locks only the rows it
     changes."""
-    if db.dialect != "sqlite":
-        ensure_rollouts(db, conn, tasks.items())
+    if dialect != "sqlite":
+        _execute_values(dialect, raw, _ROLLOUT_INSERT_HEAD, _ROLLOUT_INSERT_TAIL,
+                        _new_rollout_rows(tasks.items(), "adhoc"))
         changes = [(rid, versions.get(rid), tasks.get(rid)) for rid in {**tasks, **versions}]
-        _execute_values(db, conn, _SPAN_UPDATE_HEAD, _SPAN_UPDATE_TAIL,
+        _execute_values(dialect, raw, _SPAN_UPDATE_HEAD, _SPAN_UPDATE_TAIL,
                         [c for c in changes if c[1] is not None or c[2] is not None])
         return
     t = now()
     get = versions.get
     rows = [(rid, tid, None, "adhoc", 1, 1, False, t, get(rid))
             for rid, tid in _checked_ids(tasks.items()).items()]
-    _execute_values(db, conn, _SPAN_ROLLOUTS_HEAD, _SPAN_ROLLOUTS_TAIL, rows)
+    _execute_values(dialect, raw, _SPAN_ROLLOUTS_HEAD, _SPAN_ROLLOUTS_TAIL, rows)
 
 
 class RolloutsMixin:

@@ -18,6 +18,14 @@ from tracegym.gateway.traces.store.span_insert import insert_postgresql, insert_
 from tracegym.gateway.traces.store.span_rows import SpanBatch
 
 
+def _write_batch(dialect: str, raw: Any, batch: SpanBatch) -> int:
+    """The statements of a span batch in the open transaction of the DBAPI connection ``raw``."""
+    write_span_rollouts(dialect, raw, batch.tasks, {rid: wv for rid, (_, wv) in batch.versions.items()})
+    if dialect == "postgresql":
+        return insert_postgresql(raw, batch.rows)
+    return insert_sqlite(raw, batch.rows)
+
+
 def _columns_sql(dialect: str, with_request: bool, columns: tuple[str, ...]) -> str:
     """``columns`` as selected by the raw reads: ``attributes`` as its raw JSON text (parsed once by the
     caller, not by the driver or SQLAlchemy); without ``with_request`` the ``request`` column is only tested
@@ -83,13 +91,18 @@ class SpansMixin:
             return 0
         # One multi-row statement of each kind for the whole batch (see span_insert): BEGIN IMMEDIATE, the
         # rollouts upsert, the spans INSERT, COMMIT.
+        if self.db.dialect == "sqlite":
+            with self.db.span_write() as raw:
+                return _write_batch("sqlite", raw, batch)
         with self.db.write() as conn:
-            write_span_rollouts(self.db, conn, batch.tasks,
-                                {rid: wv for rid, (_, wv) in batch.versions.items()})
-            raw = conn.connection.dbapi_connection
-            if self.db.dialect == "postgresql":
-                return insert_postgresql(raw, batch.rows)
-            return insert_sqlite(raw, batch.rows)
+            return _write_batch(self.db.dialect, conn.connection.dbapi_connection, batch)
+
+    def insert_spans_now(self, batch: SpanBatch) -> int:
+        """``insert_spans`` of a non-empty ``batch`` without waiting for the write lock (SQLite:
+        ``Database.span_write(0)``), for a caller that must not block; ``StoreBusy``, nothing written, when
+        another writer holds the lock or the store is PostgreSQL."""
+        with self.db.span_write(0) as raw:
+            return _write_batch("sqlite", raw, batch)
 
     def call_row(self, call_id: str, columns: tuple[str, ...], *, with_request: bool = True) -> tuple | None:
         """``columns`` (rendered as in ``call_rows``) of the gateway call answered with ``call_id`` (None: no

@@ -13,3 +13,7 @@ class NotFound(StoreError):
 
 class Conflict(StoreError):
     """The request contradicts the current state (a lost lease, a finished rollout)."""
+
+
+class StoreBusy(StoreError):
+    """The store cannot take a write without waiting now (``Database.span_write``); nothing was written."""

@@ -4,7 +4,11 @@ the store at that moment), many calls share a commit, and a span the store never
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 import time
+
+import pytest
 
 from tests.gateway.helpers import make_record
 from tracegym.gateway.traces.reads import list_spans
@@ -13,14 +17,7 @@ from tracegym.gateway.traces.store import Store
 
 
 def test_acks_come_after_the_commit_and_calls_share_commits(store: Store) -> None:
-    commits = []
-    insert = store.insert_spans
-
-    def counted(batch):  # the real insert, counted
-        commits.append(len(batch))
-        return insert(batch)
-
-    store.insert_spans = counted  # type: ignore[method-assign]
+    commits = _commit_sizes(store)
     rec = TraceRecorder(store, schedule_delay_s=30.0)  # nothing would be written without the acks' wake-up
 
     async def calls() -> list[bool]:
@@ -38,11 +35,12 @@ def test_acks_come_after_the_commit_and_calls_share_commits(store: Store) -> Non
     assert sum(commits) == 200 and len(commits) < 200, commits  # group commit: shared transactions
 
 
-def test_calls_recorded_in_one_turn_of_the_event_loop_share_one_commit(sqlite_url: str) -> None:
-    # No group delay, nobody said to be in flight: the build thread is woken once the loop has run the
-    # callbacks of this turn, not at the first call's record. Each call blocks (GIL released) after its
-    # record, as a busy gateway's other work would: a build thread woken at the first record commits it alone.
-    store = Store.open(sqlite_url)
+def test_calls_recorded_in_one_turn_of_the_event_loop_share_one_commit(store_url: str) -> None:
+    # No group delay, nobody said to be in flight: the commit starts once the loop has run the callbacks of
+    # this turn (SQLite: on the loop; PostgreSQL: the build thread is woken), not at the first call's record.
+    # Each call blocks (GIL released) after its record, as a busy gateway's other work would: a build thread
+    # woken at the first record would commit it alone.
+    store = Store.open(store_url)
     sizes = _commit_sizes(store)
     rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=0.0)
 
@@ -81,21 +79,27 @@ def test_a_span_the_store_never_takes_is_a_false_ack() -> None:
         rec.shutdown()
 
 
-def _commit_sizes(store: Store) -> list[int]:
-    """Each transaction's span count, recorded by wrapping the real insert."""
+def _commit_sizes(store: Store, threads: list[int] | None = None) -> list[int]:
+    """Each transaction's span count, recorded by wrapping the real inserts (the write thread's and the
+    event loop's), and with ``threads`` the thread that ran each."""
     sizes: list[int] = []
-    insert = store.insert_spans
 
-    def counted(batch):
-        sizes.append(len(batch))
-        return insert(batch)
+    def counting(insert):
+        def counted(batch):
+            n = insert(batch)  # raises, nothing counted, when the store is busy
+            sizes.append(len(batch))
+            if threads is not None:
+                threads.append(threading.get_ident())
+            return n
+        return counted
 
-    store.insert_spans = counted  # type: ignore[method-assign]
+    store.insert_spans = counting(store.insert_spans)  # type: ignore[method-assign]
+    store.insert_spans_now = counting(store.insert_spans_now)  # type: ignore[method-assign]
     return sizes
 
 
-def test_a_call_alone_in_the_gateway_is_committed_without_the_delay(sqlite_url: str) -> None:
-    store = Store.open(sqlite_url)
+def test_a_call_alone_in_the_gateway_is_committed_without_the_delay(store_url: str) -> None:
+    store = Store.open(store_url)
     sizes = _commit_sizes(store)
     rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=30.0, in_flight=lambda: 1)
 
@@ -115,8 +119,13 @@ def test_a_call_alone_in_the_gateway_is_committed_without_the_delay(sqlite_url: 
     assert sizes == [1, 1, 1]
 
 
-def test_calls_in_flight_hold_the_group_until_they_have_arrived(sqlite_url: str) -> None:
-    store = Store.open(sqlite_url)
+# The commit group's wait for calls in flight applies where the event loop does not commit itself: on
+# PostgreSQL, and on SQLite while another writer holds the lock.
+
+
+@pytest.mark.pg
+def test_calls_in_flight_hold_the_group_until_they_have_arrived(pg_url: str) -> None:
+    store = Store.open(pg_url)
     sizes = _commit_sizes(store)
     in_flight = 8
     rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=30.0, in_flight=lambda: in_flight)
@@ -138,8 +147,9 @@ def test_calls_in_flight_hold_the_group_until_they_have_arrived(sqlite_url: str)
     assert sizes == [in_flight]  # one transaction for all of them
 
 
-def test_the_group_delay_bounds_the_wait_for_calls_that_do_not_come(sqlite_url: str) -> None:
-    store = Store.open(sqlite_url)
+@pytest.mark.pg
+def test_the_group_delay_bounds_the_wait_for_calls_that_do_not_come(pg_url: str) -> None:
+    store = Store.open(pg_url)
     sizes = _commit_sizes(store)
     rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=0.2, in_flight=lambda: 5)
 
@@ -155,3 +165,59 @@ def test_the_group_delay_bounds_the_wait_for_calls_that_do_not_come(sqlite_url: 
         store.close()
     assert 0.15 < waited < 10.0, waited  # four calls "in flight" never record: the delay ends the wait
     assert sizes == [1]
+
+
+def test_on_sqlite_the_event_loop_commits_its_calls_itself(sqlite_url: str) -> None:
+    store = Store.open(sqlite_url)
+    threads: list[int] = []
+    sizes = _commit_sizes(store, threads)
+    rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=30.0, in_flight=lambda: 4)
+
+    async def calls() -> list[bool]:
+        acks = [rec.record_durably(make_record(i, rollout_id=f"ro-loop-{i}")) for i in range(3)]
+        return [await a for a in acks]
+
+    loop_thread = []
+
+    async def main() -> list[bool]:
+        loop_thread.append(threading.get_ident())
+        return await calls()
+
+    try:
+        assert asyncio.run(main()) == [True] * 3
+        assert len(list_spans(store, "ro-loop-2")) == 1
+    finally:
+        rec.shutdown()
+        store.close()
+    assert sizes == [3] and threads == loop_thread  # at the end of the turn, no hand-off, no group delay
+
+
+def test_a_locked_sqlite_store_hands_the_commit_to_the_write_thread(sqlite_url: str) -> None:
+    store = Store.open(sqlite_url)
+    store.ensure_rollout("ro-first")  # the file and its tables exist
+    threads: list[int] = []
+    sizes = _commit_sizes(store, threads)
+    rec = TraceRecorder(store, schedule_delay_s=30.0, commit_delay_s=0.0)
+    other = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # another process's writer holds the lock
+
+    async def call() -> tuple[bool, float]:
+        t = time.monotonic()
+        ack = rec.record_durably(make_record(0, rollout_id="ro-locked"))
+        ticks = 0
+        while not ack.done() and ticks < 20:  # the loop runs on while the span waits for the lock
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert not ack.done() and ticks == 20
+        other.execute("COMMIT")
+        return await ack, time.monotonic() - t
+
+    try:
+        ok, waited = asyncio.run(call())
+        assert ok and 0.2 <= waited < 10.0
+        assert len(list_spans(store, "ro-locked")) == 1
+    finally:
+        rec.shutdown()
+        other.close()
+        store.close()
+    assert sizes == [1] and threads != [threading.get_ident()]  # committed by the write thread

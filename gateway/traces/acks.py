@@ -44,15 +44,14 @@ def _resolve(acks: list[Ack], ok: bool) -> None:
             a.set_result(ok)
 
 
-def settle(acks: Iterable[Ack], ok: bool) -> None:
-    """Resolve ``acks`` from any thread: those of the thread's own running loop at once, the others with one
-    callback per event loop."""
+def settle(acks: Iterable[Ack], ok: bool, here: asyncio.AbstractEventLoop | None = None) -> None:
+    """Resolve ``acks`` from any thread, one callback per event loop; those of ``here`` (the loop running
+    this call, if it is one) at once."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Ack]] = {}
     for a in acks:
         by_loop.setdefault(a.get_loop(), []).append(a)
-    running = asyncio._get_running_loop()  # None off a loop (the recorder's threads)
     for loop, group in by_loop.items():
-        if loop is running:
+        if loop is here:
             _resolve(group, ok)
             continue
         try:

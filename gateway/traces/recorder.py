@@ -156,14 +156,14 @@ class StoreSpanProcessor(SpanProcessor):
 
     def _kick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._kicks.discard(loop)
-        if self._commit_here() and not self._queue:
+        if self._commit_here(loop) and not self._queue:
             return
         if not self._wake.is_set():
             self._wake.set()
 
-    def _commit_here(self) -> bool:
-        """On the event loop, once its turn ran: write what is queued in this thread, in one transaction, and
-        settle the acks of this loop directly, when the store can write without waiting (SQLite) and neither
+    def _commit_here(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """On the event ``loop``, once its turn ran: write what is queued in this thread, in one transaction,
+        and settle the acks of this loop directly, when the store can write without waiting (SQLite) and neither
         the build thread nor the write thread is busy. The calls' event loop holds the GIL for most of their
         life, so a hand-off to the threads and back costs two thread wake-ups and, for the write thread, a
         wait for the GIL after each statement; here the loop waits only for SQLite's own work. True when it
@@ -183,7 +183,7 @@ class StoreSpanProcessor(SpanProcessor):
                     return True
                 if self.exporter.export_now(built.batch):
                     self.group.settled += len(built.acks)
-                    settle(built.acks, True)
+                    settle(built.acks, True, here=loop)
                 else:
                     self._batches.put(built)  # the writer takes it once this thread lets go of the write lock
                 return True

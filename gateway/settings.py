@@ -61,8 +61,8 @@ class GatewaySettings(BaseSettings):
     on; off for apps embedded in another process (tests), whose heap is not the gateway's to freeze."""
     durability: Durability = "commit"
     """``commit``: a call's final response byte (the last SSE event of a stream) is sent only once its span
-    is committed to the store (group commit: the recorder's write thread commits whatever calls are waiting
-    in one transaction, and each waits for its own); a span the store could not take makes the call a 503
+    is committed to the store (group commit: whatever calls are waiting go into one transaction, committed
+    by the event loop itself on SQLite, else by the recorder's threads, and each waits for its own); a span the store could not take makes the call a 503
     in its API's error shape. ``async``: answer at once and write the span in the background (a crash
     loses the spans still queued). docs/security.md."""
     commit_delay_s: float = Field(default=0.002, ge=0)

@@ -193,7 +193,7 @@ class StoreSpanProcessor(SpanProcessor):
             self._build_lock.release()
 
     def _take(self, n: int) -> list[QueueItem]:
-        """Up to ``n`` queued items, stopping before a ``force_flush`` marker (left for the build thread)."""
+        """Up to ``n`` queued items, stopping before a ``force_flush`` marker (left at the queue's head)."""
         q, items = self._queue, []
         while q and len(items) < n:
             item = q.popleft()
@@ -282,14 +282,8 @@ class StoreSpanProcessor(SpanProcessor):
             first = True
             while q and (first or self._flushes or len(q) >= self.max_batch_size):
                 first = False
-                items: list[QueueItem] = []
-                marker = None
-                while q and len(items) < self.max_batch_size:
-                    item = q.popleft()
-                    if type(item) is _Flush:
-                        marker = item
-                        break
-                    items.append(item)
+                items = self._take(self.max_batch_size)
+                marker = q.popleft() if q and type(q[0]) is _Flush else None
                 if items:
                     built = self._build(items)
                     if built.acks or group.built is not None:

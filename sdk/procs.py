@@ -20,8 +20,40 @@ from pathlib import Path
 
 import httpx
 
+_PORT_FLOOR = 10000
+"""Ports that ``free_port`` picks start here (above the usual fixed ports of local services)."""
+
+
+def _ephemeral_floor() -> int:
+    """The first port of the kernel's ephemeral range (where outgoing connections take their local
+    port); 32768 where it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
 
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing is bound to now, for a process started next to bind.
+
+    It is drawn at random below the kernel's ephemeral range where there is room: a port the kernel hands
+    out itself could be given to another process's outgoing connection between this check and the bind,
+    and a random draw keeps processes that look for ports at the same time apart."""
+    floor = _ephemeral_floor()
+    if floor > _PORT_FLOOR + 1000:
+        for _ in range(100):
+            port = _PORT_FLOOR + secrets.randbelow(floor - _PORT_FLOOR)
+            if _bindable(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

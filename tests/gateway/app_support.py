@@ -5,6 +5,7 @@ recorder that keeps CallRecords in a list."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import threading
 import time
@@ -67,16 +68,19 @@ class MemoryRecorder:
 
 
 class ServerThread:
-    """A FastAPI app under a real uvicorn server on a free port, in a background thread."""
+    """A FastAPI app under a real uvicorn server in a background thread, on a port this object binds
+    itself (so no other process can take it before the server listens)."""
 
     def __init__(self, app: Any) -> None:
-        self.port = free_port()
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, loop="asyncio", log_level="warning",
                                 lifespan="on")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
@@ -92,6 +96,7 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.socket.close()
 
     @property
     def services(self) -> Any:

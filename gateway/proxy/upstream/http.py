@@ -7,7 +7,7 @@ Why aiohttp and not httpx: a proxy on ``httpx.AsyncClient`` degrades as concurre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -50,6 +50,15 @@ async def check_status(resp: aiohttp.ClientResponse) -> None:
         raise UpstreamRejected(resp.status, error_message(text))
 
 
+async def read_all(read: Callable[[], Awaitable[bytes]], limit: int) -> str:
+    """The text of a body read with ``read`` (``sse_events``'s reader) until its end, cut at ``limit``
+    characters: an error answer's body."""
+    parts = []
+    while chunk := await read():
+        parts.append(chunk)
+    return b"".join(parts).decode(errors="replace")[:limit]
+
+
 def error_message(text: str) -> str:
     """The message of an upstream's JSON error body (``{"error": {"message": ...}}`` and variants)."""
     try:
@@ -65,14 +74,15 @@ def error_message(text: str) -> str:
     return text
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[Any, bool]]:
+async def sse_events(read: Callable[[], Awaitable[bytes]]) -> AsyncIterator[tuple[Any, bool]]:
     """``(payload, more)``: the parsed JSON payloads of ``data:`` lines until ``[DONE]``, each with whether
     more events arrived in the same read from the socket (they are here already: a stream writer can send
-    them together, one write instead of one per event). An ``{"error": ...}`` event raises."""
-    content = resp.content
+    them together, one write instead of one per event). ``read`` returns the body's next bytes (``b""`` at
+    its end): aiohttp's ``resp.content.readany`` or ``StreamedBody.read``. An ``{"error": ...}`` event
+    raises."""
     rest = b""
     while True:
-        chunk = await content.readany()
+        chunk = await read()
         if chunk:
             *lines, rest = (rest + chunk).split(b"\n")
         else:  # the end of the body: what is left is the last line

@@ -175,7 +175,7 @@ class OpenAIUpstream(Upstream):
         with upstream_errors(self._url(req), self._timeout_s):
             resp = await self._open(req, stream=True)
             try:
-                async for chunk, more in sse_events(resp):
+                async for chunk, more in sse_events(resp.content.readany):
                     evs = parse_stream_chunk(chunk, req.operation)
                     for i, ev in enumerate(evs):
                         ev.more = more or i < len(evs) - 1

@@ -50,6 +50,7 @@ from tracegym.gateway.proxy.upstream.http import (
     BackgroundTasks,
     check_status,
     error_message,
+    read_all,
     request_timeout,
     sse_events,
     upstream_errors,
@@ -396,25 +397,28 @@ class SGLangUpstream(Upstream):
         url = self.base_url + "/generate"
         converter = _CumulativeToDelta()
         finished = False
-        lora_path = await self._lora_path(req)
+        body = orjson.dumps(generate_payload(req, stream=True, lora_path=await self._lora_path(req)))
         with upstream_errors(url, self._timeout_s):
-            resp = await self._session.post(
-                url, data=orjson.dumps(generate_payload(req, stream=True, lora_path=lora_path)), headers=self._headers,
-                timeout=self._timeout,
-            )
+            if self._pool is not None:
+                answer = await self._pool.post_stream("/generate", body)
+                status, read, release, drop = answer.status, answer.read, answer.finish, answer.finish
+            else:
+                resp = await self._session.post(url, data=body, headers=self._headers, timeout=self._timeout)
+                status, read, release, drop = resp.status, resp.content.readany, resp.release, resp.close
             try:
-                await check_status(resp)
-                async for item, more in sse_events(resp):
+                if status >= 400:
+                    raise UpstreamRejected(status, error_message(await read_all(read, 1000)))
+                async for item, more in sse_events(read):
                     ev = converter.delta(item)
                     ev.more = more
                     yield ev
                 finished = True
             finally:
                 if not finished:  # consumer went away or the stream broke: stop the generation upstream
-                    resp.close()
+                    drop()
                     self._bg.spawn(self.abort(req.rid))
                 else:
-                    resp.release()
+                    release()
 
     async def model_info(self) -> ModelInfo:
         url = self.base_url + "/model_info"

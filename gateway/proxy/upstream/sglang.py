@@ -248,7 +248,7 @@ class SGLangUpstream(Upstream):
         self._bg = BackgroundTasks()
         self._pool = KeepAlivePool(self.base_url, connect_timeout=connect_timeout, read_timeout=timeout, api_key=api_key) \
             if self.base_url.startswith("http://") else None
-        """The non-stream ``/generate`` hot path (``keepalive.py``); https and everything else use aiohttp."""
+        """``/generate``, whole and streamed (``keepalive.py``); https and everything else use aiohttp."""
         self.gate = SwapGate()
         """Read to tell swap-aborts (continued) from other aborts; driven by ``swap.SwapCoordinator``."""
         self.adapters = AdapterTable()

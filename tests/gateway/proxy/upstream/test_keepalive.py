@@ -43,11 +43,29 @@ class Echo:
             return resp
         return web.Response(body=orjson.dumps({"echo": body}), content_type="application/json")
 
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        """``parts`` chunk by chunk (``pause`` seconds apart, each ``times`` over), then ends, drops or stalls."""
+        self.peers.append(request.transport.get_extra_info("peername"))
+        body = orjson.loads(await request.read())
+        resp = web.StreamResponse(status=body.get("status", 200))
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        for part in body["parts"]:
+            await resp.write(part.encode() * body.get("times", 1))
+            await asyncio.sleep(body.get("pause", 0))
+        if body.get("then") == "drop":
+            request.transport.close()
+        elif body.get("then") == "stall":
+            await asyncio.sleep(5)
+        await resp.write_eof()
+        return resp
+
 
 async def _server() -> tuple[TestServer, Echo]:
     echo = Echo()
     app = web.Application()
     app.router.add_post("/generate", echo.echo)
+    app.router.add_post("/stream", echo.stream)
     srv = TestServer(app, host="127.0.0.1", port=free_port())
     await srv.start_server()
     return srv, echo
@@ -135,29 +153,6 @@ async def test_reused_connection_closed_on_arrival_is_retried_once() -> None:
 
 # ---------------------------------------------------------------------------------------- streamed bodies
 
-class Streamer:
-    """``/stream`` answers ``parts`` chunk by chunk (``pause`` seconds apart), then ends, drops or stalls."""
-
-    def __init__(self) -> None:
-        self.peers: list[object] = []
-
-    async def stream(self, request: web.Request) -> web.StreamResponse:
-        self.peers.append(request.transport.get_extra_info("peername"))
-        body = orjson.loads(await request.read())
-        resp = web.StreamResponse(status=body.get("status", 200))
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
-        for part in body["parts"]:
-            await resp.write(part.encode() * body.get("times", 1))
-            await asyncio.sleep(body.get("pause", 0))
-        if body.get("then") == "drop":
-            request.transport.close()
-        elif body.get("then") == "stall":
-            await asyncio.sleep(5)
-        await resp.write_eof()
-        return resp
-
-
 async def _read_all(answer: StreamedBody) -> bytes:
     parts = []
     while chunk := await answer.read():
@@ -166,11 +161,7 @@ async def _read_all(answer: StreamedBody) -> bytes:
 
 
 async def test_a_streamed_body_arrives_as_sent_and_its_connection_is_reused_once_read() -> None:
-    streamer = Streamer()
-    app = web.Application()
-    app.router.add_post("/stream", streamer.stream)
-    srv = TestServer(app, host="127.0.0.1", port=free_port())
-    await srv.start_server()
+    srv, echo = await _server()
     pool = KeepAlivePool(f"http://127.0.0.1:{srv.port}", connect_timeout=2, read_timeout=5)
     try:
         answer = await pool.post_stream("/stream", orjson.dumps({"parts": ["data: 1\n\n", "data: 2\n\n"], "pause": 0.05}))
@@ -182,12 +173,12 @@ async def test_a_streamed_body_arrives_as_sent_and_its_connection_is_reused_once
         again = await pool.post_stream("/stream", orjson.dumps({"parts": ["x"], "status": 400}))
         assert again.status == 400 and await _read_all(again) == b"x"
         again.finish()
-        assert len(set(streamer.peers)) == 1  # both on the one keep-alive connection
+        assert len(set(echo.peers)) == 1  # both on the one keep-alive connection
         unread = await pool.post_stream("/stream", orjson.dumps({"parts": ["a", "b"], "pause": 0.2}))
         assert await unread.read() == b"a"
         unread.finish()  # the consumer went away mid-body: the connection is not reused
         assert (await pool.post_json("/stream", orjson.dumps({"parts": ["c"]})))[1] == b"c"
-        assert len(set(streamer.peers)) == 2
+        assert len(set(echo.peers)) == 2
         big = await pool.post_stream("/stream", orjson.dumps({"parts": ["y", "z"], "times": 1 << 19}))
         await asyncio.sleep(0.3)  # more than the buffer arrives unread: the connection stops reading
         assert big._conn.paused
@@ -199,11 +190,7 @@ async def test_a_streamed_body_arrives_as_sent_and_its_connection_is_reused_once
 
 
 async def test_a_stream_that_stalls_or_drops_fails_with_the_gateway_errors() -> None:
-    streamer = Streamer()
-    app = web.Application()
-    app.router.add_post("/stream", streamer.stream)
-    srv = TestServer(app, host="127.0.0.1", port=free_port())
-    await srv.start_server()
+    srv, _ = await _server()
     pool = KeepAlivePool(f"http://127.0.0.1:{srv.port}", connect_timeout=2, read_timeout=0.5)
     try:
         slow = await pool.post_stream("/stream", orjson.dumps({"parts": ["a", "b", "c"], "pause": 0.3}))

@@ -36,8 +36,9 @@ class _StaleConnection(ConnectionError):
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("body", "buffered", "closed", "ended", "framed", "got_bytes", "headers_done", "idle_since",
-                 "keep_alive", "parser", "paused", "reader", "status", "streaming", "transport", "waiter")
+    __slots__ = ("body", "broken", "buffered", "closed", "ended", "framed", "got_bytes", "headers_done",
+                 "idle_since", "keep_alive", "parser", "paused", "reader", "status", "streaming", "transport",
+                 "waiter")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -53,6 +54,7 @@ class _Conn(asyncio.Protocol):
         self.framed = False  # Content-Length or chunked (else the body ends when the peer closes)
         self.streaming = False  # the waiter resolves with the head; body chunks wait in ``body`` for ``reader``
         self.ended = False  # the whole streamed body arrived
+        self.broken: ConnectionError | None = None  # the connection was lost before a streamed body ended
         self.reader: asyncio.Future[None] | None = None  # a streamed body's reader, waiting for a chunk
         self.buffered = 0
         self.paused = False
@@ -74,8 +76,9 @@ class _Conn(asyncio.Protocol):
         if self.streaming and self.headers_done:
             if not self.ended:
                 self.ended = not self.framed  # an unframed body ends when the peer closes
-                self._wake(None if self.ended else
-                           ConnectionError(f"connection lost mid-response: {exc or 'closed by peer'}"))
+                if not self.ended:
+                    self.broken = ConnectionError(f"connection lost mid-response: {exc or 'closed by peer'}")
+                self._wake(self.broken)
             return
         if self.waiter is not None and not self.waiter.done():
             if self.headers_done and not self.framed:
@@ -134,7 +137,7 @@ class _Conn(asyncio.Protocol):
         self.body = []
         self.status = 0
         self.got_bytes = self.headers_done = self.framed = self.ended = self.paused = False
-        self.streaming, self.buffered, self.reader = streaming, 0, None
+        self.streaming, self.buffered, self.reader, self.broken = streaming, 0, None, None
         self.transport.write(request)  # type: ignore[union-attr]
         return self.waiter
 
@@ -275,6 +278,8 @@ class StreamedBody:
         while not conn.body:
             if conn.ended:
                 return b""
+            if conn.broken is not None:
+                raise UpstreamUnavailable(f"upstream {self._pool.host}:{self._pool.port} failed: {conn.broken}")
             loop = asyncio.get_running_loop()
             conn.reader = loop.create_future()
             timer = loop.call_later(self._pool.read_timeout, conn._wake, TimeoutError())

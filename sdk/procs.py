@@ -20,8 +20,9 @@ from pathlib import Path
 
 import httpx
 
-_PORT_FLOOR = 10000
-"""Ports that ``free_port`` picks start here (above the usual fixed ports of local services)."""
+_PORT_FLOOR = 20000
+"""Ports that ``free_port`` picks start here: above the usual fixed ports of local services and above Ray's
+default worker ports (10002-19999), which ``ray start`` refuses to see any of its other ports among."""
 
 
 def _ephemeral_floor() -> int:

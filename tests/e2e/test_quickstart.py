@@ -21,6 +21,10 @@ def test_quickstart_reward_rises(quickstart_trained: tuple[Path, list[dict[str, 
     # 64 held-out tasks × 2 samples: the standard error of the difference is ~0.05 at these rates, so a rise
     # of 0.15 is 3 of them, and well under the smallest rise seen at this learning rate.
     assert after >= before + 0.15, f"held-out reward did not rise: {before:.3f} -> {after:.3f}"
-    assert len([r for r in rows if r["kind"] == "train"]) == QUICKSTART_STEPS
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == QUICKSTART_STEPS
+    # a step whose groups all had equal rewards trains nothing (drop_zero_signal_groups) and makes no version
+    updates = [r for r in train if "train_s" in r]
+    assert updates, "no step trained"
     kept = kept_weights(run)  # keep: weights kept the trained model, which the distillation test teaches with
-    assert kept is not None and kept.name == f"v{QUICKSTART_STEPS}"
+    assert kept is not None and kept.name == f"v{len(updates)}"

@@ -146,15 +146,16 @@ def start_process(
     if port is None:
         return mp
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{mp.name or argv} exited with code {proc.returncode}; its log:\n{mp.log()}")
-        try:
-            if httpx.get(mp.base_url + health_path, timeout=2).status_code == 200:
-                return mp
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    with httpx.Client(timeout=2) as http:  # one client for the whole wait: each builds an SSL context (~17 ms)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{mp.name or argv} exited with code {proc.returncode}; its log:\n{mp.log()}")
+            try:
+                if http.get(mp.base_url + health_path).status_code == 200:
+                    return mp
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
     mp.stop()
     raise TimeoutError(f"{mp.name or argv} did not answer {health_path} within {timeout:.0f}s; its log:\n{mp.log()}")
 

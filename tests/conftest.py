@@ -4,7 +4,9 @@ models prepared once per session. Free ports and real child processes (always cl
 from __future__ import annotations
 
 import os
+import ssl
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,34 @@ def skip_learning_where_slow(items: list[pytest.Item]) -> None:
         f"float32 the run takes several times as long; {LEARNING_TESTS_ENV}=all runs it here"))
     for item in learning:
         item.add_marker(skip)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    share_one_verified_ssl_context()
+
+
+def share_one_verified_ssl_context() -> None:
+    """Make every httpx client this test process creates with the default ``verify=True`` share one SSL
+    context. A one-shot ``httpx.get``/``httpx.post`` creates a client, and each client built its own
+    context, parsing certifi's CA bundle again (~17 ms of CPU): a fifth of the gateway tests' CPU went
+    there, for connections that are all plain HTTP to loopback. The shared one is built at first use as
+    httpx builds it (``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` as the environment has them then); an
+    explicit ``verify`` or ``cert`` still gets its own."""
+    import httpx._transports.default as transports
+
+    build = transports.create_ssl_context
+    if getattr(build, "shared_default", False):
+        return
+    default = cache(build)
+
+    def create_ssl_context(verify: ssl.SSLContext | str | bool = True, cert: object = None,
+                           trust_env: bool = True) -> ssl.SSLContext:
+        if verify is True and cert is None and trust_env:
+            return default()
+        return build(verify=verify, cert=cert, trust_env=trust_env)  # type: ignore[arg-type]
+
+    create_ssl_context.shared_default = True  # type: ignore[attr-defined]
+    transports.create_ssl_context = create_ssl_context  # type: ignore[assignment]
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -84,7 +84,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the tests of a module whose fixtures live as
     long as the module (a served engine, a gateway, a model loaded once) run on one worker, which sets them
     up once instead of once per worker that happens to draw one of its tests, and so do the tests of a
-    fixture in ``SHARED_BY_ONE_WORKER``; other tests spread freely.
+    fixture in ``SHARED_BY_ONE_WORKER``, and so do a group a module names with an ``xdist_group`` mark;
+    other tests spread freely.
 
     The scheduler knows a test's group only from a ``@group`` suffix of its node id. A worker's xdist plugin
     adds it in its own hook from the ``xdist_group`` mark (so this hook goes first), but from pytest 9.2 on
@@ -97,9 +98,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         info = getattr(item, "_fixtureinfo", None)
         if info is None:
             continue
+        marked = item.get_closest_marker("xdist_group")
         shared = sorted(name for name in SHARED_BY_ONE_WORKER.intersection(info.names_closure)
                         if info.name2fixturedefs[name][-1].scope == "session")
-        if shared:
+        if marked is not None:  # a module's own group (tests/shared_tokenizers.py: ONE_WORKER)
+            group = marked.args[0] if marked.args else marked.kwargs["name"]
+        elif shared:
             group = shared[0]
         elif any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs):
             group = item.module.__name__

@@ -1,7 +1,10 @@
 """The tiny models' tokenizers loaded once per test process (``ChatTokenizer`` and transformers' own), for
 tests that only read from them: a large vocabulary takes a second of CPU to load (gemma3-tiny's 262k
 tokens), and the family tests read the same six tokenizers over and over. A test that checks a
-tokenizer's caches (hits, misses) or changes it builds its own with ``ChatTokenizer.from_dir``."""
+tokenizer's caches (hits, misses) or changes it builds its own with ``ChatTokenizer.from_dir``.
+
+The modules that read them run on one worker (``ONE_WORKER``) under ``pytest -n N --dist loadgroup``, which
+loads each tokenizer once instead of once per worker that draws one of their tests."""
 
 from __future__ import annotations
 
@@ -9,7 +12,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
+
+ONE_WORKER = pytest.mark.xdist_group("shared_tokenizers")
+"""``pytestmark`` of the modules that read the shared tokenizers."""
 
 
 def _model_dir(model: str | Path) -> Path:

@@ -8,9 +8,11 @@ import json
 
 import pytest
 
-from tests.shared_tokenizers import chat_tokenizer
+from tests.shared_tokenizers import ONE_WORKER, chat_tokenizer
 from tracegym.modelfiles.family_tiny import TEMPLATES, TINY_FAMILIES
 from tracegym.models import KNOWN_MODELS
+
+pytestmark = ONE_WORKER
 
 
 @pytest.mark.parametrize("name", list(TINY_FAMILIES))

@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared_tokenizers import ONE_WORKER
 from tracegym.modelfiles import qwen3_tiny
 from tracegym.modelfiles.qwen3_tiny import NpmFiles, fetch_npm_files
 from tracegym.models import ModelNotFoundError
+
+pytestmark = ONE_WORKER
 
 
 def test_qwen3_tiny_files(qwen3_model_dir: Path) -> None:

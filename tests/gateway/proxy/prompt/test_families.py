@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
-from tests.shared_tokenizers import chat_tokenizer
+from tests.shared_tokenizers import ONE_WORKER, chat_tokenizer
 from tracegym.gateway.proxy.prompt.families import FAMILIES, UnknownChatFormat, detect, family
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
+
+pytestmark = ONE_WORKER
 
 NAMES = [t["function"]["name"] for t in corpus.TOOLS]
 CALLS = [corpus.Call("a", "add", {"a": 1, "b": 2.5}), corpus.Call("b", "search", {"query": "熊猫"})]

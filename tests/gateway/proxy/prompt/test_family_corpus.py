@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
-from tests.shared_tokenizers import chat_tokenizer, hf_tokenizer
+from tests.shared_tokenizers import ONE_WORKER, chat_tokenizer, hf_tokenizer
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
+
+pytestmark = ONE_WORKER
 
 MODELS = {"chatml": "tiny-random", "qwen3": "qwen3-tiny", "llama3": "llama3-tiny", "gemma3": "gemma3-tiny",
           "deepseek_v3": "deepseek3-tiny", "gpt_oss": "gptoss-tiny"}

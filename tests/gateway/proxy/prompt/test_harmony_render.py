@@ -17,11 +17,13 @@ import pytest
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
 from tests.gateway.proxy.prompt.test_jinja_env import _reference
-from tests.shared_tokenizers import chat_tokenizer
+from tests.shared_tokenizers import ONE_WORKER, chat_tokenizer
 from tracegym.gateway.proxy.prompt import jinja_env
 from tracegym.gateway.proxy.prompt.families import FAMILIES
 from tracegym.gateway.proxy.prompt.families.harmony_render import LOOP_MARK, TEMPLATE_SHA256, harmony_renderer
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer, TemplateRenderError
+
+pytestmark = ONE_WORKER
 
 CONVERSATIONS = 200
 VARIABLES: list[dict[str, Any]] = [{}, {"reasoning_effort": "high", "model_identity": "You are X."},

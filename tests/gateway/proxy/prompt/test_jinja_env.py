@@ -12,10 +12,12 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tests.gateway.proxy.prompt import family_corpus as corpus
-from tests.shared_tokenizers import chat_tokenizer
+from tests.shared_tokenizers import ONE_WORKER, chat_tokenizer
 from tracegym.gateway.proxy.prompt import jinja_env
 from tracegym.gateway.proxy.prompt.jinja_env import compile_template, memo_key
 from tracegym.gateway.proxy.prompt.templating import prepare_messages
+
+pytestmark = ONE_WORKER
 
 MODELS = {"chatml": "tiny-random", "qwen3": "qwen3-tiny", "llama3": "llama3-tiny", "gemma3": "gemma3-tiny",
           "deepseek_v3": "deepseek3-tiny", "gpt_oss": "gptoss-tiny"}

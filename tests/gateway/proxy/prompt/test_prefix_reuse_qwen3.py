@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 
-from tests.shared_tokenizers import chat_tokenizer
+from tests.shared_tokenizers import ONE_WORKER, chat_tokenizer
 from tracegym.gateway.proxy.prompt.prefix_reuse import PrefixCache, PromptPlan
 from tracegym.gateway.proxy.prompt.reasoning import split_reasoning
 from tracegym.gateway.proxy.prompt.templating import ChatTokenizer
 from tracegym.gateway.proxy.prompt.tools import parse_tools
 from tracegym.types import CallRecord, ChoiceRecord
+
+pytestmark = ONE_WORKER
 
 ADD = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from tracegym.errors import UserError
-from tracegym.gateway.serve_checks import StartupFailure, preflight, start_embedded
+from tracegym.gateway.serve_checks import StartupFailure, preflight, start_embedded, wait_embedded
 from tracegym.gateway.settings import SERVE_SWITCH_INTERVAL_S, GatewaySettings
 
 log = logging.getLogger("tracegym.gateway")
@@ -192,12 +192,8 @@ def inspect_main(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from tracegym.gateway.app import create_app
-    from tracegym.gateway.proxy.connections import limited_protocol
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # alembic's import: "setup plugin"
     _check_args(args)
     if browsing(args):
         from tracegym.models import find_local_model_dir
@@ -214,13 +210,20 @@ def main(args: argparse.Namespace) -> int:
     engines = None
     upstream, kind = args.upstream, args.upstream_kind
     try:
-        if args.engine == "embedded":
-            engines = start_embedded(args)
+        if args.engine == "embedded":  # the engines load their model while this process builds its app
+            engines = start_embedded(args, wait=False)
             upstream, kind = engines.urls, "sglang"
+        import uvicorn
+
+        from tracegym.gateway.app import create_app
+        from tracegym.gateway.proxy.connections import limited_protocol
+
         settings = settings_from_args(args, upstream, kind)
         if engines is not None:  # the engines' weight and pause routes: only this gateway has their key
             settings = settings.model_copy(update={"upstream_api_key": engines.key})
         app = create_app(settings)
+        if engines is not None:
+            wait_embedded(engines)
         failure = StartupFailure(app, keep_traceback=getattr(args, "debug", False))
         try:
             http = limited_protocol(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections)

@@ -9,8 +9,8 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any
 
 from tracegym.errors import UserError
@@ -57,14 +57,29 @@ def port_problem(host: str, port: int) -> tuple[str, str] | None:
     return None
 
 
-def start_embedded(args: Any) -> Engines:
-    """``--engines`` embedded engines (``tracegym engine``) whose output goes to ours; one that dies before
-    it is ready has printed its own error, so this adds one line and no traceback."""
+def start_embedded(args: Any, *, wait: bool = True) -> Engines:
+    """``--engines`` embedded engines (``tracegym engine``) whose output goes to ours, waited for unless
+    ``wait`` is false (then ``wait_embedded``); one that dies before it is ready has printed its own error,
+    so this adds one line and no traceback."""
     n = getattr(args, "engines", 1)
     ports = [args.engine_port + i for i in range(n)] if args.engine_port else []
+    with _engine_failure():
+        engines = start_engines(n, args.model, args=["--log-level", args.log_level], ports=ports, wait=False)
+    if wait:
+        wait_embedded(engines)
+    return engines
+
+
+def wait_embedded(engines: Engines) -> None:
+    """Wait for ``start_embedded``'s engines (``$TRACEGYM_ENGINE_START_TIMEOUT`` seconds, 900 by default)."""
+    with _engine_failure():
+        engines.wait_ready(float(os.environ.get("TRACEGYM_ENGINE_START_TIMEOUT", "900")))
+
+
+@contextmanager
+def _engine_failure() -> Iterator[None]:
     try:
-        return start_engines(n, args.model, args=["--log-level", args.log_level], ports=ports,
-                             timeout=float(os.environ.get("TRACEGYM_ENGINE_START_TIMEOUT", "900")))
+        yield
     except RuntimeError as e:
         raise UserError(f"the {str(e).splitlines()[0].removesuffix('; its log:')} before it was ready (its error "
                         "is above)") from e

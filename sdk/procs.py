@@ -128,6 +128,23 @@ def start_process(
     ``port`` answers 200 (no wait when ``port`` is None). The child's output goes to ``log_path`` (or to
     our stdout when None); it runs in its own process group and gets SIGTERM if we die. Raises with the
     child's log on failure."""
+    mp = spawn_process(args, port=port, log_path=log_path, env=env, cwd=cwd, name=name)
+    if port is not None:
+        wait_ready(mp, health_path, timeout)
+    return mp
+
+
+def spawn_process(
+    args: list[str],
+    *,
+    port: int | None,
+    log_path: Path | None,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    name: str = "",
+) -> ManagedProcess:
+    """``start_process`` without the wait: the child is started, ``wait_ready`` waits for it. Starting
+    several children before waiting for any lets them start at once."""
     argv = tracegym_argv(args)
     popen = {
         "stdin": subprocess.DEVNULL,
@@ -142,22 +159,27 @@ def start_process(
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, **popen)
-    mp = ManagedProcess(proc, log_path, f"http://127.0.0.1:{port}" if port else "", name)
-    if port is None:
-        return mp
+    return ManagedProcess(proc, log_path, f"http://127.0.0.1:{port}" if port else "", name)
+
+
+def wait_ready(mp: ManagedProcess, health_path: str = "/health", timeout: float = 300.0) -> None:
+    """Wait until ``health_path`` of ``mp`` (started with a port) answers 200. Raises with the child's log
+    if it exits first (``RuntimeError``) or is not ready within ``timeout`` seconds (``TimeoutError``,
+    after stopping it)."""
     deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2) as http:  # one client for the whole wait: each builds an SSL context (~17 ms)
+    what = mp.name or mp.proc.args
+    with httpx.Client(timeout=2) as http:  # one client for the whole wait: each client builds an SSL context
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{mp.name or argv} exited with code {proc.returncode}; its log:\n{mp.log()}")
+            if mp.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {mp.proc.returncode}; its log:\n{mp.log()}")
             try:
                 if http.get(mp.base_url + health_path).status_code == 200:
-                    return mp
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
     mp.stop()
-    raise TimeoutError(f"{mp.name or argv} did not answer {health_path} within {timeout:.0f}s; its log:\n{mp.log()}")
+    raise TimeoutError(f"{what} did not answer {health_path} within {timeout:.0f}s; its log:\n{mp.log()}")
 
 
 ENGINE_KEY_ENV = "TRACEGYM_ENGINE_API_KEY"
@@ -175,6 +197,16 @@ class Engines:
     def urls(self) -> list[str]:
         return [p.base_url for p in self.procs]
 
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Wait until every engine answers ``/health`` (``wait_ready``); if one fails, all are stopped and
+        the error raised."""
+        try:
+            for p in self.procs:
+                wait_ready(p, "/health", timeout)
+        except BaseException:
+            self.stop()
+            raise
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()
@@ -189,24 +221,30 @@ def start_engines(
     log_dir: Path | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 300.0,
+    wait: bool = True,
 ) -> Engines:
     """``count`` embedded engines (``tracegym engine --model MODEL --port P ARGS``), each in its own process
     group, sharing one fresh random key for their weight and pause routes, which only the caller (who hands
     it to its gateway) knows: it travels in their environment, never on a command line. ``ports`` picks the
     first ones (free ports otherwise); logs go to ``log_dir/engine[-N].log``, or to our output without a
-    ``log_dir``. If one fails to start, those already started are stopped and the error raised."""
+    ``log_dir``. They start at once; with ``wait`` this returns once all are ready (else the caller calls
+    ``Engines.wait_ready``). If one fails to start, all are stopped and the error raised."""
     started = Engines([], secrets.token_urlsafe(32))
     child_env = {**(env or {}), ENGINE_KEY_ENV: started.key}
+    chosen = list(ports[:count])
+    while len(chosen) < count:  # drawn before any starts: a port drawn later could be one not bound yet
+        if (port := free_port()) not in chosen:
+            chosen.append(port)
     try:
-        for i in range(count):
-            port = ports[i] if i < len(ports) else free_port()
+        for i, port in enumerate(chosen):  # all started, then each waited for: they load their models at once
             suffix = "" if count == 1 else f"-{i + 1}"
-            started.procs.append(start_process(
+            started.procs.append(spawn_process(
                 ["tracegym", "engine", "--model", model, "--port", str(port), *args],
                 port=port, log_path=None if log_dir is None else log_dir / f"engine{suffix}.log",
                 name="embedded engine" if count == 1 else f"embedded engine {i + 1}", env=child_env,
-                timeout=timeout,
             ))
+        if wait:
+            started.wait_ready(timeout)
     except BaseException:
         started.stop()
         raise

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from tracegym.procs import ManagedProcess, free_port, start_process
+from tracegym.procs import ManagedProcess, free_port, spawn_process, wait_ready
 from tracegym.trainer.service.futures import UserFault
 from tracegym.trainer.service.runs import Run
 from tracegym.trainer.service.sampling import SampleAsk, completion_body, read_completion
@@ -185,7 +185,7 @@ class Inference:
 def start_gateways(models: list[str], state_dir: Path, store: str, *, log_level: str = "warning"
                    ) -> tuple[dict[str, ManagedProcess], str, Path]:
     """A gateway with its embedded engine (``tracegym serve --engine embedded --model MODEL``) for each of
-    ``models``, started one after the other, all on one store, one admin key and one weights root: (each
+    ``models``, started at once, all on one store, one admin key and one weights root: (each
     model's process, the key, the root). The key travels in the children's environment, never on a command
     line. Logs: ``logs/gateway.log`` for the first model, ``logs/gateway-MODEL.log`` for the others. If one
     fails to start, those already started are stopped and the error raised."""
@@ -195,14 +195,19 @@ def start_gateways(models: list[str], state_dir: Path, store: str, *, log_level:
     env = {"TRACEGYM_ADMIN_KEY": key, "TRACEGYM_STORE_URL": store, "TRACEGYM_WEIGHTS_DIR": str(root)}
     env |= {k: v for k in ("TRACEGYM_ENGINE_THREADS",) if (v := os.environ.get(k))}
     procs: dict[str, ManagedProcess] = {}
+    ports: list[int] = []
+    while len(ports) < len(models):  # drawn before any starts: a port drawn later could be one not bound yet
+        if (port := free_port()) not in ports:
+            ports.append(port)
     try:
-        for i, model in enumerate(models):
-            port = free_port()
+        for i, (model, port) in enumerate(zip(models, ports, strict=True)):
             argv = ["tracegym", "serve", "--engine", "embedded", "--model", model, "--port", str(port),
                     "--log-level", log_level]
             log = "gateway.log" if i == 0 else f"gateway-{re.sub(r'[^A-Za-z0-9._-]', '_', model)}.log"
-            procs[model] = start_process(argv, port=port, log_path=state_dir / "logs" / log, health_path="/healthz",
-                                         name=f"gateway of {model}", env=env, timeout=300)
+            procs[model] = spawn_process(argv, port=port, log_path=state_dir / "logs" / log,
+                                         name=f"gateway of {model}", env=env)
+        for proc in procs.values():
+            wait_ready(proc, "/healthz", timeout=300)
     except BaseException:
         for proc in procs.values():
             proc.stop()

@@ -58,8 +58,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def share_one_verified_ssl_context() -> None:
     """Make every httpx client this test process creates with the default ``verify=True`` share one SSL
     context. A one-shot ``httpx.get``/``httpx.post`` creates a client, and each client built its own
-    context, parsing certifi's CA bundle again (~17 ms of CPU): a fifth of the gateway tests' CPU went
-    there, for connections that are all plain HTTP to loopback. The shared one is built at first use as
+    context, parsing the CA bundle again: the largest single share of the gateway tests' CPU went there,
+    for connections that are all plain HTTP to loopback. The shared one is built at first use as
     httpx builds it (``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` as the environment has them then); an
     explicit ``verify`` or ``cert`` still gets its own."""
     import httpx._transports.default as transports

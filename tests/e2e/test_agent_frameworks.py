@@ -12,21 +12,6 @@ import re
 from importlib.metadata import version
 
 import pytest
-from agents import (
-    Agent,
-    ModelBehaviorError,
-    ModelSettings,
-    OpenAIChatCompletionsModel,
-    OpenAIResponsesModel,
-    Runner,
-    function_tool,
-    set_tracing_disabled,
-)
-from langchain_anthropic import ChatAnthropic
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
-from openai import AsyncOpenAI
 
 from tests.gateway.app_support import check_one_merged_sequence, spans_of
 from tests.procs import ManagedProcess
@@ -35,16 +20,15 @@ MODEL = "tiny-random"
 AGENTS_FAIL_INCOMPLETE = tuple(int(x) for x in version("openai-agents").split(".")[:2]) >= (0, 24)
 """From 0.24 the Agents SDK fails a Responses turn that ended ``incomplete`` (tiny-random's reply is cut
 at ``max_output_tokens``), as it would against OpenAI."""
-set_tracing_disabled(True)  # the Agents SDK would export its own traces to OpenAI
+# Each test imports its framework: imported here, every xdist worker collecting this module paid for the
+# Agents SDK and langchain-anthropic (seconds of imports), though one worker runs these tests.
 
 
-@function_tool
 def add_tool(a: int, b: int) -> int:
     """Add two integers."""
     return a + b
 
 
-@tool
 def add(a: int, b: int) -> int:
     """Add two integers."""
     return a + b
@@ -57,15 +41,28 @@ def one_sequence(base_url: str, rollout: str, n: int) -> list[dict]:
     return check_one_merged_sequence(base_url, rollout, [s["call_id"] for s in spans])
 
 
-@pytest.mark.parametrize(("api", "model_cls"), [("responses", OpenAIResponsesModel),
-                                                ("chat", OpenAIChatCompletionsModel)])
-def test_openai_agents_runner(gateway: ManagedProcess, api: str, model_cls: type) -> None:
+@pytest.mark.parametrize("api", ["responses", "chat"])
+def test_openai_agents_runner(gateway: ManagedProcess, api: str) -> None:
+    from agents import (
+        Agent,
+        ModelBehaviorError,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # the Agents SDK would export its own traces to OpenAI
+    model_cls = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
     rollout = f"agents-{api}"
 
     async def run() -> object:
         client = AsyncOpenAI(base_url=f"{gateway.base_url}/rollouts/{rollout}/v1", api_key="unused",
                              max_retries=0, timeout=120)
-        agent = Agent(name="calc", instructions="Use the add tool.", tools=[add_tool],
+        agent = Agent(name="calc", instructions="Use the add tool.", tools=[function_tool(add_tool)],
                       model=model_cls(model=MODEL, openai_client=client),
                       model_settings=ModelSettings(max_tokens=8, temperature=1.0))
         try:
@@ -91,8 +88,12 @@ def test_openai_agents_runner(gateway: ManagedProcess, api: str, model_cls: type
 
 
 def test_langchain_chat_openai_on_the_responses_api(gateway: ManagedProcess) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
     llm = ChatOpenAI(model=MODEL, base_url=f"{gateway.base_url}/rollouts/lc-responses/v1", api_key="unused",
-                     use_responses_api=True, max_tokens=8, max_retries=0, timeout=120).bind_tools([add])
+                     use_responses_api=True, max_tokens=8, max_retries=0, timeout=120).bind_tools([tool(add)])
     messages: list = [SystemMessage("Be brief."), HumanMessage("What is 2+3?")]
     for follow_up in ("And 3+4?", "Thanks."):
         reply = llm.invoke(messages)
@@ -104,8 +105,12 @@ def test_langchain_chat_openai_on_the_responses_api(gateway: ManagedProcess) -> 
 
 
 def test_langchain_chat_anthropic(gateway: ManagedProcess) -> None:
+    from langchain_anthropic import ChatAnthropic
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_core.tools import tool
+
     llm = ChatAnthropic(model=MODEL, base_url=f"{gateway.base_url}/rollouts/lc-anthropic", api_key="unused",
-                        max_tokens=8, max_retries=0, default_request_timeout=120).bind_tools([add])
+                        max_tokens=8, max_retries=0, default_request_timeout=120).bind_tools([tool(add)])
     messages: list = [SystemMessage("Be brief."), HumanMessage("What is 2+3?")]
     for follow_up in ("And 3+4?", "Thanks."):
         reply = llm.invoke(messages)

@@ -60,6 +60,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int, taken: Sequence[int] = ()) -> list[int]:
+    """``count`` distinct free ports, none of ``taken``, drawn before any child is started: a port drawn
+    after one child started could be the port that child has not bound yet."""
+    ports: list[int] = []
+    while len(ports) < count:
+        if (port := free_port()) not in ports and port not in taken:
+            ports.append(port)
+    return ports
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: get SIGTERM when the parent dies (Linux), so no child outlives us."""
     try:
@@ -231,10 +241,7 @@ def start_engines(
     ``Engines.wait_ready``). If one fails to start, all are stopped and the error raised."""
     started = Engines([], secrets.token_urlsafe(32))
     child_env = {**(env or {}), ENGINE_KEY_ENV: started.key}
-    chosen = list(ports[:count])
-    while len(chosen) < count:  # drawn before any starts: a port drawn later could be one not bound yet
-        if (port := free_port()) not in chosen:
-            chosen.append(port)
+    chosen = [*ports[:count], *free_ports(count - len(ports[:count]), taken=ports)]
     try:
         for i, port in enumerate(chosen):  # all started, then each waited for: they load their models at once
             suffix = "" if count == 1 else f"-{i + 1}"

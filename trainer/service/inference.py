@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from tracegym.procs import ManagedProcess, free_port, spawn_process, wait_ready
+from tracegym.procs import ManagedProcess, free_ports, spawn_process, wait_ready
 from tracegym.trainer.service.futures import UserFault
 from tracegym.trainer.service.runs import Run
 from tracegym.trainer.service.sampling import SampleAsk, completion_body, read_completion
@@ -195,12 +195,8 @@ def start_gateways(models: list[str], state_dir: Path, store: str, *, log_level:
     env = {"TRACEGYM_ADMIN_KEY": key, "TRACEGYM_STORE_URL": store, "TRACEGYM_WEIGHTS_DIR": str(root)}
     env |= {k: v for k in ("TRACEGYM_ENGINE_THREADS",) if (v := os.environ.get(k))}
     procs: dict[str, ManagedProcess] = {}
-    ports: list[int] = []
-    while len(ports) < len(models):  # drawn before any starts: a port drawn later could be one not bound yet
-        if (port := free_port()) not in ports:
-            ports.append(port)
     try:
-        for i, (model, port) in enumerate(zip(models, ports, strict=True)):
+        for i, (model, port) in enumerate(zip(models, free_ports(len(models)), strict=True)):
             argv = ["tracegym", "serve", "--engine", "embedded", "--model", model, "--port", str(port),
                     "--log-level", log_level]
             log = "gateway.log" if i == 0 else f"gateway-{re.sub(r'[^A-Za-z0-9._-]', '_', model)}.log"

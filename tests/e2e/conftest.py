@@ -9,10 +9,13 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -27,6 +30,35 @@ def serve_tiny(tmp: Path, *extra: str) -> ManagedProcess:
     argv = ["tracegym", "serve", "--engine", "embedded", "--model", "tiny-random", "--port", str(port),
             "--store", f"sqlite:///{tmp / 'tracegym.db'}", *extra]  # fmt: skip
     return start_process(argv, port=port, log_path=tmp / "gateway.log", health_path="/healthz", timeout=240)
+
+
+def engine_state(gw: ManagedProcess) -> dict[str, Any]:
+    """The scheduler counters of the one engine behind ``gw`` (its ``/get_server_info``; the gateway's
+    ``/api/upstreams`` names the engine)."""
+    (engine,) = httpx.get(gw.base_url + "/api/upstreams", timeout=30).json()["engines"]
+    return httpx.get(engine["url"] + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+
+def swap_while_generating(gw: ManagedProcess, call: Callable[[], Any], swap: Callable[[], Any],
+                          timeout: float = 180) -> tuple[Any, Any]:
+    """``call()`` (a long generation through ``gw``) in a thread, and ``swap()`` once the engine is decoding
+    it (a running request, and tokens generated since the call began): a swap sent after a fixed sleep landed
+    after the generation's end on a loaded machine. Returns both results."""
+    before = engine_state(gw)["tokens_generated"]
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.setdefault("r", call()))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while True:
+        state = engine_state(gw)
+        if state["running_requests"] and state["tokens_generated"] > before:
+            break
+        assert thread.is_alive() and time.monotonic() < deadline, f"the call never ran in the engine: {state}"
+        time.sleep(0.01)
+    swapped = swap()
+    thread.join(timeout=timeout)
+    assert "r" in out, "the call did not return"
+    return out["r"], swapped
 
 
 def metrics_rows(run: Path) -> list[dict[str, Any]]:

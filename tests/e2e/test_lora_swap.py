@@ -14,7 +14,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.e2e.conftest import serve_tiny
+from tests.e2e.conftest import serve_tiny, swap_while_generating
 from tests.engine.test_lora import make_adapter
 from tests.procs import ManagedProcess
 from tracegym.modelfiles.formats import BASE_KEY
@@ -105,26 +105,21 @@ def test_adapter_swaps_route_each_agent_to_its_adapter(
 def test_a_lora_call_cut_by_an_adapter_swap_is_continued_on_the_new_adapter(
     gateway: ManagedProcess, adapters: dict[str, Path]
 ) -> None:
-    import threading
-
     r = swap(gateway, "10", {"default": adapters["planner"]}, per_agent=False)
     assert r.status_code == 200, r.text
     url = gateway.base_url + "/rollouts/lora-long/v1/chat/completions"
-    body = {"model": MODEL, "messages": Q, "max_tokens": 2000, "temperature": 1.0}
-    t = time.perf_counter()
+    body = {"model": MODEL, "messages": Q, "max_tokens": 200, "temperature": 1.0}
     httpx.post(gateway.base_url + "/rollouts/lora-warm/v1/chat/completions", timeout=120,
-               json={**body, "max_tokens": 100})
-    per_token = (time.perf_counter() - t) / 100
-    body["max_tokens"] = max(300, min(6000, int(3.0 / per_token)))
-    out: dict[str, httpx.Response] = {}
-    th = threading.Thread(target=lambda: out.setdefault("r", httpx.post(url, json=body, timeout=180)))
-    th.start()
-    time.sleep(0.5)
-    r = swap(gateway, "11", {"default": adapters["executor"]}, per_agent=False)
-    th.join(timeout=180)
+               json={**body, "max_tokens": 16})  # warm-up: the adapter's first call
+    t = time.perf_counter()
+    timed = httpx.post(gateway.base_url + "/rollouts/lora-timed/v1/chat/completions", timeout=120, json=body)
+    per_token = (time.perf_counter() - t) / max(1, timed.json()["usage"]["completion_tokens"])
+    body["max_tokens"] = max(2000, min(6000, int(3.0 / per_token)))
+    reply, r = swap_while_generating(gateway, lambda: httpx.post(url, json=body, timeout=180),
+                                     lambda: swap(gateway, "11", {"default": adapters["executor"]}, per_agent=False))
     assert r.status_code == 200 and r.json()["success"], r.text
-    assert out["r"].status_code == 200, out["r"].text
-    n = out["r"].json()["usage"]["completion_tokens"]
+    assert reply.status_code == 200, reply.text
+    n = reply.json()["usage"]["completion_tokens"]
     s = span(gateway, "lora-long")
     assert s["attributes"]["tracegym.lora_adapter"] == "default"
     spans = [tuple(x) if isinstance(x, list) else (x["version"], x["start"], x["end"])

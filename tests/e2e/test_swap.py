@@ -6,7 +6,6 @@ with the old weights."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +14,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import serve_tiny
+from tests.e2e.conftest import serve_tiny, swap_while_generating
 from tests.gateway.app_support import sse_payloads
 from tests.procs import ManagedProcess
 
 MODEL = "tiny-random"
-GENERATION_S = 3.0  # how long the generation a swap lands in should run (the swap starts 0.5 s in)
+GENERATION_S = 3.0  # how long the generation a swap lands in should run (the swap starts once it decodes)
 Q = [{"role": "user", "content": "Tell me a long story."}]
 
 
@@ -41,7 +40,7 @@ def max_tokens(gateway: ManagedProcess) -> int:
     t = time.perf_counter()
     r = httpx.post(url, json={"model": MODEL, "messages": Q, "max_tokens": 200}, timeout=120)
     per_token = (time.perf_counter() - t) / max(1, r.json()["usage"]["completion_tokens"])
-    return max(400, min(6000, int(GENERATION_S / per_token)))
+    return max(2000, min(6000, int(GENERATION_S / per_token)))
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +61,8 @@ def checkpoint(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _swap_during(gw: ManagedProcess, call: Any, body: dict) -> tuple[Any, httpx.Response]:
-    out: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", call()))
-    t.start()
-    time.sleep(0.5)  # well inside the generation
-    swap = httpx.post(gw.base_url + "/api/weights/update", json=body, timeout=120)
-    t.join(timeout=120)
-    assert "r" in out, "the call did not return"
-    return out["r"], swap
+    return swap_while_generating(
+        gw, call, lambda: httpx.post(gw.base_url + "/api/weights/update", json=body, timeout=120), timeout=120)
 
 
 def _span_choice(gw: ManagedProcess, rollout_id: str) -> tuple[dict, dict]:

@@ -147,8 +147,8 @@ def _cpu_key() -> str:
 def bf16_slowdown() -> float:
     """bf16 time / fp32 time of forwards through a small random Llama (SmolLM2's widths, 2 layers) at the
     shapes an engine and a trainer run: one-token decode steps of 1 and 16 rows and a 16 x 40 prefill.
-    Timed at most once per process (``kept_bf16_slowdown`` keeps it per machine); where the CPU has AMX,
-    bf16 wins, where it has only AVX-512 or AVX2, it loses."""
+    Timed at most once per process (``kept_bf16_slowdown`` keeps it per machine); where the CPU has AMX, bf16 wins, where it has only AVX-512 or AVX2, it
+    loses."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -49,15 +49,15 @@ def cpu_compute_dtype(dtype: Any) -> Any:
             log.info("computing in float32: $%s=slow (bfloat16 is slower on this CPU)", CPU_BF16_ENV)
         else:
             log.warning("this CPU runs bfloat16 slower than float32 (bf16/fp32 time %.2f on a small Llama): "
-                        "computing in float32", kept_bf16_slowdown())
+                        "computing in float32", bf16_slowdown())
         return torch.float32
     return dtype
 
 
 CPU_BF16_ENV = "TRACEGYM_CPU_BF16"
-"""``fast`` or ``slow``: decides ``cpu_bf16_is_fast`` without timing or reading the kept timing. ``tracegym
-train`` and ``tinker-serve`` decide once and set it for the processes they start, so that their engines and
-trainer workers compute in one dtype whatever happens to the cache meanwhile."""
+"""``fast`` or ``slow``: decides ``cpu_bf16_is_fast`` without timing. ``tracegym train`` times once and sets it
+for the processes it starts, so its engines and trainer workers compute in one dtype: each process timing
+on its own can land on either side when bf16 and fp32 run about as fast."""
 
 
 def decide_cpu_bf16() -> None:
@@ -71,8 +71,7 @@ def decide_cpu_bf16() -> None:
 
 def cpu_bf16_is_fast() -> bool:
     """Whether bf16 runs a transformer at least as fast as fp32 on this CPU: never without oneDNN's bf16
-    kernels (they need AVX-512; torch's fallback is tens of times slower), else timed once per machine
-    (``kept_bf16_slowdown``);
+    kernels (they need AVX-512; torch's fallback is tens of times slower), else timed (``bf16_slowdown``);
     ``$TRACEGYM_CPU_BF16`` set to ``fast``/``slow`` decides instead."""
     import torch
 
@@ -86,68 +85,14 @@ def cpu_bf16_is_fast() -> bool:
             return False
     except (AttributeError, RuntimeError):
         pass
-    return kept_bf16_slowdown() <= 1.0
-
-
-BF16_RECORD = "cpu-bf16.json"
-"""The file in the cache (``tracegym.models.cache_root``) that keeps ``bf16_slowdown`` per CPU and torch."""
-
-
-def kept_bf16_slowdown() -> float:
-    """``bf16_slowdown`` timed once per machine: kept in the cache's ``cpu-bf16.json`` under this CPU (its
-    model and flags) and torch's version, and read from there by later processes, so that every engine,
-    trainer and ``tinker-serve`` start does not spend seconds timing again, and all of them decide alike.
-    A record that cannot be read or written is timed again."""
-    import json
-
-    from tracegym.models import cache_root
-
-    path, key = cache_root() / BF16_RECORD, _cpu_key()
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, ValueError):
-        kept = {}
-    if not isinstance(kept, dict):
-        kept = {}
-    if isinstance(kept.get(key), (int, float)):
-        return float(kept[key])
-    ratio = bf16_slowdown()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({**kept, key: ratio}, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.info("could not keep the bf16 timing in %s: %s", path, e)
-    return ratio
-
-
-def _cpu_key() -> str:
-    """This CPU and torch, as the bf16 record's key: the CPU's model name and a digest of its flags (Linux's
-    /proc/cpuinfo; ``platform.processor()`` elsewhere), and torch's version."""
-    import hashlib
-    import platform
-
-    import torch
-
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            name, sep, value = line.partition(":")
-            if sep:
-                fields.setdefault(name.strip(), value.strip())
-    except OSError:
-        pass
-    model, flags = fields.get("model name") or platform.processor() or platform.machine(), fields.get("flags", "")
-    digest = hashlib.sha256(flags.encode()).hexdigest()[:12]
-    return f"{model} | flags {digest} | torch {torch.__version__}"
+    return bf16_slowdown() <= 1.0
 
 
 @functools.lru_cache(maxsize=1)
 def bf16_slowdown() -> float:
     """bf16 time / fp32 time of forwards through a small random Llama (SmolLM2's widths, 2 layers) at the
     shapes an engine and a trainer run: one-token decode steps of 1 and 16 rows and a 16 x 40 prefill.
-    Timed at most once per process (``kept_bf16_slowdown`` keeps it per machine); where the CPU has AMX, bf16 wins, where it has only AVX-512 or AVX2, it
+    Timed once per process; where the CPU has AMX, bf16 wins, where it has only AVX-512 or AVX2, it
     loses."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

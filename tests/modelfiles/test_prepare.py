@@ -192,11 +192,10 @@ def test_bf16_compute_falls_back_to_fp32_on_a_cpu_without_fast_bf16(monkeypatch:
     assert load.cpu_compute_dtype(torch.bfloat16) is torch.bfloat16
 
 
-def test_bf16_speed_probe_times_a_small_llama(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_bf16_speed_probe_times_a_small_llama(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     monkeypatch.delenv(load.CPU_BF16_ENV, raising=False)
-    monkeypatch.setenv("TRACEGYM_CACHE", str(tmp_path))
     ratio = load.bf16_slowdown()
     assert 0 < ratio < 1000
     assert load.cpu_bf16_is_fast() == (torch.ops.mkldnn._is_mkldnn_bf16_supported() and ratio <= 1.0)
@@ -204,37 +203,10 @@ def test_bf16_speed_probe_times_a_small_llama(monkeypatch: pytest.MonkeyPatch, t
     assert load.cpu_compute_dtype(torch.bfloat16) is want
 
 
-def test_the_bf16_timing_is_kept_per_cpu_and_torch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Timed once per machine: later processes read the cache's record; another CPU or torch (another key)
-    and a record that cannot be read are timed again."""
-    timings: list[float] = []
-
-    def timed() -> float:
-        timings.append(0.5 if len(timings) % 2 == 0 else 1.5)
-        return timings[-1]
-
-    monkeypatch.setenv("TRACEGYM_CACHE", str(tmp_path))
-    monkeypatch.setattr(load, "bf16_slowdown", timed)
-    assert load.kept_bf16_slowdown() == 0.5 and load.kept_bf16_slowdown() == 0.5
-    assert len(timings) == 1
-    record = json.loads((tmp_path / load.BF16_RECORD).read_text())
-    assert record == {load._cpu_key(): 0.5}
-
-    monkeypatch.setattr(load, "_cpu_key", lambda: "another CPU | flags 0 | torch 0")
-    assert load.kept_bf16_slowdown() == 1.5 and len(timings) == 2
-    assert json.loads((tmp_path / load.BF16_RECORD).read_text()) == {**record, "another CPU | flags 0 | torch 0": 1.5}
-
-    (tmp_path / load.BF16_RECORD).write_text("{not json")
-    assert load.kept_bf16_slowdown() == 0.5 and len(timings) == 3
-    assert load.kept_bf16_slowdown() == 0.5 and len(timings) == 3
-
-
-def test_one_bf16_decision_for_the_processes_a_run_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_one_bf16_decision_for_the_processes_a_run_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     """``$TRACEGYM_CPU_BF16`` decides without timing (``tracegym train`` sets it from its one probe, so its
     engine and trainer agree); a value other than fast/slow is an error, not a silent probe."""
     import torch
-
-    monkeypatch.setenv("TRACEGYM_CACHE", str(tmp_path))  # no timing kept from earlier runs
 
     def no_probe() -> float:
         raise AssertionError("timed although the environment decides")

@@ -25,10 +25,17 @@ KILL_AFTER = 150
 
 
 def _serve(tmp: Path, upstream: str, model: Path, store_url: str, *extra: str) -> ManagedProcess:
-    port = free_port()
-    argv = ["tracegym", "serve", "--port", str(port), "--upstream", upstream, "--model", str(model),
-            "--store", store_url, "--log-level", "warning", *extra]
-    return start_process(argv, port=port, log_path=tmp / f"gateway-{port}.log", health_path="/healthz", timeout=120)
+    for attempt in range(3):  # a port drawn free may be taken before the gateway binds it: draw another
+        port = free_port()
+        argv = ["tracegym", "serve", "--port", str(port), "--upstream", upstream, "--model", str(model),
+                "--store", store_url, "--log-level", "warning", *extra]
+        try:
+            return start_process(argv, port=port, log_path=tmp / f"gateway-{port}.log", health_path="/healthz",
+                                 timeout=120)
+        except RuntimeError as e:
+            if "address already in use" not in str(e) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 class Load:

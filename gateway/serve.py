@@ -211,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
     upstream, kind = args.upstream, args.upstream_kind
     try:
         if args.engine == "embedded":  # the engines load their model while this process builds its app
-            engines = start_embedded(args, wait=False)
+            engines = start_embedded(args)
             upstream, kind = engines.urls, "sglang"
         import uvicorn
 

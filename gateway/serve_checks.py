@@ -57,17 +57,14 @@ def port_problem(host: str, port: int) -> tuple[str, str] | None:
     return None
 
 
-def start_embedded(args: Any, *, wait: bool = True) -> Engines:
-    """``--engines`` embedded engines (``tracegym engine``) whose output goes to ours, waited for unless
-    ``wait`` is false (then ``wait_embedded``); one that dies before it is ready has printed its own error,
-    so this adds one line and no traceback."""
+def start_embedded(args: Any) -> Engines:
+    """``--engines`` embedded engines (``tracegym engine``) whose output goes to ours, started and not waited
+    for (``wait_embedded`` waits); one that dies before it is ready has printed its own error, so this adds
+    one line and no traceback."""
     n = getattr(args, "engines", 1)
     ports = [args.engine_port + i for i in range(n)] if args.engine_port else []
     with _engine_failure():
-        engines = start_engines(n, args.model, args=["--log-level", args.log_level], ports=ports, wait=False)
-    if wait:
-        wait_embedded(engines)
-    return engines
+        return start_engines(n, args.model, args=["--log-level", args.log_level], ports=ports, wait=False)
 
 
 def wait_embedded(engines: Engines) -> None:

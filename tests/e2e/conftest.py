@@ -54,7 +54,7 @@ def swap_while_generating(gw: ManagedProcess, call: Callable[[], Any], swap: Cal
         if state["running_requests"] and state["tokens_generated"] > before:
             break
         assert thread.is_alive() and time.monotonic() < deadline, f"the call never ran in the engine: {state}"
-        time.sleep(0.01)
+        time.sleep(0.05)
     swapped = swap()
     thread.join(timeout=timeout)
     assert "r" in out, "the call did not return"

@@ -114,7 +114,7 @@ def test_a_lora_call_cut_by_an_adapter_swap_is_continued_on_the_new_adapter(
     t = time.perf_counter()
     timed = httpx.post(gateway.base_url + "/rollouts/lora-timed/v1/chat/completions", timeout=120, json=body)
     per_token = (time.perf_counter() - t) / max(1, timed.json()["usage"]["completion_tokens"])
-    body["max_tokens"] = max(2000, min(6000, int(3.0 / per_token)))
+    body["max_tokens"] = max(1000, min(6000, int(1.5 / per_token)))
     reply, r = swap_while_generating(gateway, lambda: httpx.post(url, json=body, timeout=180),
                                      lambda: swap(gateway, "11", {"default": adapters["executor"]}, per_agent=False))
     assert r.status_code == 200 and r.json()["success"], r.text

@@ -19,7 +19,7 @@ from tests.gateway.app_support import sse_payloads
 from tests.procs import ManagedProcess
 
 MODEL = "tiny-random"
-GENERATION_S = 3.0  # how long the generation a swap lands in should run (the swap starts once it decodes)
+GENERATION_S = 1.5  # how long the generation a swap lands in should run (the swap starts once it decodes)
 Q = [{"role": "user", "content": "Tell me a long story."}]
 
 
@@ -40,7 +40,7 @@ def max_tokens(gateway: ManagedProcess) -> int:
     t = time.perf_counter()
     r = httpx.post(url, json={"model": MODEL, "messages": Q, "max_tokens": 200}, timeout=120)
     per_token = (time.perf_counter() - t) / max(1, r.json()["usage"]["completion_tokens"])
-    return max(2000, min(6000, int(GENERATION_S / per_token)))
+    return max(1000, min(6000, int(GENERATION_S / per_token)))
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ and ``tool_result`` blocks of the Messages API), shortened as test_tool_agent_sf
 one: SmolLM2-135M is fine-tuned on the example's OpenAI-form demonstrations, then trained with GRPO on the
 Anthropic agent's reward, through the whole product. The held-out split is evaluated before, at the end of
 the sft phase and at the end: sft must make the model call the calculator through the Messages API, and
-GRPO must bring the valid-call rate to 0.75 or more, no lower than the sft-only model's, and raise the
-reward above it. That sft on OpenAI-form conversations teaches this agent rests on the gateway rendering
+GRPO must bring the valid-call rate to 0.75 or more, no lower than the sft-only model's (up to 0.9), and raise
+the reward by 0.15 or to 0.75. That sft on OpenAI-form conversations teaches this agent rests on the gateway rendering
 the agent's Messages conversations to the demonstrations' tokens, which the fast test checks."""
 
 from __future__ import annotations
@@ -63,5 +63,7 @@ def test_sft_then_grpo_teaches_the_messages_tools_api(tmp_path: Path) -> None:
     # measured in five runs: valid calls 0.00 -> 0.62-0.72 after sft -> 0.88-0.97; reward 0.000 -> 0.34-0.62
     # -> 0.88-0.97, a rise of 0.34-0.59. 0.75, not 0.8: the lowest, 0.88, is 28 of 32 rollouts; 0.8 needs 26
     assert sft["emitted/valid_call"] >= 0.3, (before, sft)
-    assert grpo["emitted/valid_call"] >= max(0.75, sft["emitted/valid_call"]), (sft, grpo)
-    assert grpo["reward_mean"] >= sft["reward_mean"] + 0.15, (sft, grpo)
+    # (reward in two later runs: 0.50 -> 1.00, 0.59 -> 0.88). Where sft leaves less room than the rise asked, GRPO
+    # must reach 0.75, and where sft's valid calls pass 0.9, 0.9 is asked (32 rollouts cannot tell them apart there)
+    assert grpo["emitted/valid_call"] >= max(0.75, min(sft["emitted/valid_call"], 0.9)), (sft, grpo)
+    assert grpo["reward_mean"] >= min(sft["reward_mean"] + 0.15, 0.75), (sft, grpo)

@@ -36,10 +36,10 @@ def prompts(n: int, length: int) -> list[list[int]]:
 
 
 def engine_rounds(
-    model: str, batch: list[list[int]], tokens: int, rounds: int, threads: int
+    model_dir: Path, batch: list[list[int]], tokens: int, rounds: int, threads: int
 ) -> dict[str, Any]:
     port = free_port()
-    argv = ["tracegym", "engine", "--model", model, "--port", str(port), "--dtype", "bfloat16",
+    argv = ["tracegym", "engine", "--model", str(model_dir), "--port", str(port), "--dtype", "bfloat16",
             "--max-batch-size", str(max(64, len(batch)))]  # fmt: skip
 
     def one(client: httpx.Client, i: int) -> int:
@@ -77,16 +77,15 @@ def engine_rounds(
 
 
 def generate_rounds(
-    model: str, batch: list[list[int]], tokens: int, rounds: int, threads: int
+    model_dir: Path, batch: list[list[int]], tokens: int, rounds: int, threads: int
 ) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
     from tracegym.modelfiles.load import cpu_compute_dtype
-    from tracegym.models import find_local_model_dir
 
     torch.set_num_threads(threads)
-    lm = AutoModelForCausalLM.from_pretrained(find_local_model_dir(model), dtype=torch.float32).eval()
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     bf16 = cpu_compute_dtype(torch.bfloat16) is torch.bfloat16
     ids = torch.tensor(batch)
     times = []
@@ -117,10 +116,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2: the first round of each side is a warm-up")
+    from tracegym.modelfiles.prepare import prepare_model
+
+    model_dir = prepare_model(args.model)  # one directory for both sides (prepared once if missing)
     threads = os.cpu_count() or 1
     batch = prompts(args.requests, args.prompt_len)
-    eng = engine_rounds(args.model, batch, args.tokens, args.rounds, threads)
-    gen = generate_rounds(args.model, batch, args.tokens, args.rounds, threads)
+    eng = engine_rounds(model_dir, batch, args.tokens, args.rounds, threads)
+    gen = generate_rounds(model_dir, batch, args.tokens, args.rounds, threads)
     e, g = statistics.median(eng["times"][1:]), statistics.median(gen["times"][1:])
     print(
         f"model={args.model} {args.requests} prompts x {args.prompt_len} tokens, {args.tokens} new tokens each, "

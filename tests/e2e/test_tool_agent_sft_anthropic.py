@@ -3,9 +3,10 @@ and ``tool_result`` blocks of the Messages API), shortened as test_tool_agent_sf
 one: SmolLM2-135M is fine-tuned on the example's OpenAI-form demonstrations, then trained with GRPO on the
 Anthropic agent's reward, through the whole product. The held-out split is evaluated before, at the end of
 the sft phase and at the end: sft must make the model call the calculator through the Messages API, and
-GRPO must bring the valid-call rate to 0.75 or more, no lower than the sft-only model's (up to 0.9), and raise
-the reward by 0.15 or to 0.75. That sft on OpenAI-form conversations teaches this agent rests on the gateway rendering
-the agent's Messages conversations to the demonstrations' tokens, which the fast test checks."""
+GRPO must bring the valid-call rate to 0.75 or more, no lower than the sft-only model's (up to 0.9), and
+raise the reward by 0.15 or to 0.75. That sft on OpenAI-form conversations teaches this agent rests on the
+gateway rendering the agent's Messages conversations to the demonstrations' tokens, which the fast test
+checks."""
 
 from __future__ import annotations
 

@@ -384,8 +384,13 @@ class AsyncGatewayClient:
         what = f"send {kind[:-1]} for {rollout_id}"
         return await self.post(f"/api/rollouts/{rollout_id}/{kind}", body, what)
 
-    async def claim(self, worker_id: str, limit: int, lease_seconds: float) -> list[dict[str, Any]]:
-        body = {"worker_id": worker_id, "limit": limit, "lease_seconds": lease_seconds}
+    async def claim(self, worker_id: str, limit: int, lease_seconds: float,
+                    wait_s: float = 0.0) -> list[dict[str, Any]]:
+        """Up to ``limit`` queued rollouts; with none queued, the gateway holds the answer up to ``wait_s``
+        seconds for one to be."""
+        body: dict[str, Any] = {"worker_id": worker_id, "limit": limit, "lease_seconds": lease_seconds}
+        if wait_s:
+            body["wait_s"] = wait_s
         # not idempotent: a repeat claims more rollouts (those of a lost answer wait for their lease to expire)
         return (await self.post("/api/rollouts/claim", body, "claim rollouts", idempotent=False))["rollouts"]
 

@@ -18,7 +18,9 @@ Call convention: the agent is ``def agent(task, base_url) -> float | None`` (or 
   infinite number with a ValueError: the gateway stores finite rewards only).
 
 Sync agents run in their own daemon threads, async ones on the runner's event loop; at most
-``concurrency`` at once. While a rollout runs its lease is renewed every ``lease_seconds / 3``.
+``concurrency`` at once. While a rollout runs its lease is renewed every ``lease_seconds / 3``. With
+nothing queued, a claim waits at the gateway up to ``claim_wait_s`` for a rollout to be enqueued (long
+polling: it starts the moment one is), then the runner claims again.
 Stopping (SIGINT/SIGTERM, or ``stop_event``) stops claiming, lets in-flight rollouts finish for up to
 ``grace_seconds`` (a second signal skips the wait) and releases the rest back to the queue.
 """
@@ -95,6 +97,10 @@ class Runner:
     exit_when_idle: bool = False
     worker_id: str | None = None
     poll_interval: float = 0.5
+    """The least time between two claims that found nothing (or failed)."""
+    claim_wait_s: float = 2.0
+    """How long a claim that finds nothing queued waits at the gateway for a rollout to be (0: it answers at
+    once; not with ``exit_when_idle``, which claims once more to see the queue empty)."""
     grace_seconds: float = 30.0
     api_key: str | None = None
     progress: bool = False
@@ -150,26 +156,36 @@ class Runner:
                 return
             free = self.concurrency - len(self._flights)
             claimed: list[dict[str, Any]] = []
+            loop = asyncio.get_running_loop()
+            started = loop.time()
             if free > 0:
                 limit = free if remaining is None else min(free, remaining)
                 claimed = await self._claim(limit)
+                if claimed and (stop.is_set() or self._force):  # stopped while the claim waited
+                    await self._release_claimed(claimed)
+                    return
                 for r in claimed:
                     self._start(r)
                 if not claimed and self.exit_when_idle and not self._flights:
                     return
             if bar:
                 bar.update(self.stats)
-            if not claimed:
-                await self._wait_change(self.poll_interval)
+            if not claimed:  # a claim that waited at the gateway has waited its poll
+                await self._wait_change(max(0.0, self.poll_interval - (loop.time() - started)))
 
     async def _claim(self, limit: int) -> list[dict[str, Any]]:
         """Claim up to ``limit`` rollouts. An unreachable gateway is fatal until it has answered once
         (a wrong URL fails fast); after that the runner waits for it (a gateway restart). A claim is
         not retried inside the client once sent (a repeat would claim more), so a timeout or a 5xx
         answer is retried here, at the next poll."""
+        wait_s = 0.0 if self.exit_when_idle else self.claim_wait_s
         try:
-            claimed = await self._api.claim(self.worker_id or "", limit, self.lease_seconds)
+            claimed = await self._api.claim(self.worker_id or "", limit, self.lease_seconds, wait_s)
         except GatewayError as e:
+            if wait_s and e.status == 400 and "wait_s" in str(e):  # a gateway older than held claims
+                log.warning("the gateway does not hold claims (%s): polling every %.1fs", e, self.poll_interval)
+                self.claim_wait_s = 0.0
+                return []
             transient = isinstance(e, GatewayUnreachableError) or e.status in RETRY_STATUSES
             if not (transient and self._gateway_seen):
                 raise
@@ -316,6 +332,15 @@ class Runner:
         except GatewayError as e:
             log.warning("rollout %s: heartbeat failed: %s", rid, e)
 
+    async def _release_claimed(self, claimed: list[dict[str, Any]]) -> None:
+        """Give back rollouts a claim brought after the runner was told to stop."""
+        for r in claimed:
+            try:
+                await self._api.release(r["rollout_id"], self.worker_id or "")
+                self.stats.released += 1
+            except GatewayError as e:
+                log.warning("could not release rollout %s: %s", r["rollout_id"], e)
+
     async def _release_all(self) -> None:
         flights = list(self._flights.items())
         for _, flight in flights:
@@ -343,7 +368,7 @@ async def run_agent(
 ) -> RunStats:
     """Run ``agent`` over the gateway's queue until ``stop_event`` is set (or ``exit_when_idle`` /
     ``max_rollouts``). ``options`` are ``Runner`` fields (lease_seconds, max_rollouts, exit_when_idle,
-    worker_id, poll_interval, grace_seconds, api_key, progress). ``stop_event`` may be an
+    worker_id, poll_interval, claim_wait_s, grace_seconds, api_key, progress). ``stop_event`` may be an
     ``asyncio.Event`` or a ``threading.Event``."""
     runner = Runner(agent, gateway, concurrency, **options)
     return await runner.run(stop_event)

@@ -1,7 +1,9 @@
 """Control and query API under ``/api/`` (docs/api.md): tasks and the rollout queue, rewards and events,
 rollout and span queries, weight versions, and per-run training metrics.
 
-Handlers are plain ``def``s (FastAPI runs them in its threadpool) because the store is synchronous.
+Handlers are plain ``def``s (FastAPI runs them in its threadpool) because the store is synchronous; the
+two that may hold their answer until the queue changes (``waits.py``) are ``async`` and call the store in
+the threadpool.
 Store errors map to OpenAI-shaped errors: ValueError -> 400, NotFound -> 404, Conflict -> 409.
 """
 
@@ -14,9 +16,11 @@ import orjson
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from sqlalchemy.exc import DataError
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from tracegym.gateway.api.params import Names, QueryModel, Status, Time, integer
+from tracegym.gateway.api.waits import MAX_WAIT_S, ChangesDep, held
 from tracegym.gateway.deps import RecorderDep, StoreDep
 from tracegym.gateway.openai_errors import OpenAIError, bad_request, error_responses
 from tracegym.gateway.proxy.ids import ID_CHARS
@@ -69,6 +73,7 @@ RealNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Int32 = integer(INT32_MIN, INT32_MAX)
 """A value kept in a 32-bit column."""
 Lease = Annotated[float, Field(gt=0, le=MAX_LEASE_SECONDS, allow_inf_nan=False)]
+WaitSeconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)]
 
 
 class _Body(BaseModel):
@@ -95,6 +100,8 @@ class ClaimIn(_Body):
     worker_id: str = Field(min_length=1, max_length=_ID)
     limit: integer(1, 1000) = 1  # type: ignore[valid-type]
     lease_seconds: Lease = 60.0
+    wait_s: WaitSeconds = 0.0
+    """With nothing queued, hold the answer up to this many seconds until something is (long polling)."""
 
 
 class HeartbeatIn(_Body):
@@ -163,18 +170,24 @@ def _call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 # -- tasks and the rollout queue -----------------------------------------------------------------------------
 @router.post("/tasks", status_code=201, responses=error_responses(400, 409))
-def enqueue(body: EnqueueIn, store: StoreDep) -> Response:
+def enqueue(body: EnqueueIn, store: StoreDep, changes: ChangesDep) -> Response:
     tasks = [t.model_dump(exclude_none=True) | {"input": t.input} for t in body.tasks]
     out = _call(store.enqueue_tasks, tasks, group_size=body.group_size,
                 max_attempts=body.max_attempts)
+    changes.bump()
     return _json({"tasks": out}, 201)
 
 
 @router.post("/rollouts/claim", responses=error_responses(400))
-def claim(body: ClaimIn, store: StoreDep, request: Request) -> Response:
+async def claim(body: ClaimIn, store: StoreDep, request: Request, changes: ChangesDep) -> Response:
     """Each claimed rollout comes with its ``token`` (on a gateway with an admin key): the key its agent
     calls, rewards and emits with, valid for that rollout only (docs/security.md)."""
-    rollouts = _call(store.claim, body.worker_id, limit=body.limit, lease_seconds=body.lease_seconds)
+
+    def fetch() -> Any:
+        return run_in_threadpool(_call, store.claim, body.worker_id, limit=body.limit,
+                                 lease_seconds=body.lease_seconds)
+
+    rollouts = await held(fetch, bool, changes, body.wait_s)
     guard = request.app.state.guard
     if guard.keyed:
         rollouts = [r | {"token": guard.token_for(r["rollout_id"])} for r in rollouts]
@@ -207,22 +220,27 @@ def _ended(request: Request, row: dict) -> dict:
 
 @router.post("/rollouts/{rollout_id}/complete", responses=error_responses(400, 404, 409))
 def complete(rollout_id: RolloutId, body: CompleteIn, store: StoreDep,
-             recorder: RecorderDep, request: Request) -> Response:
+             recorder: RecorderDep, request: Request, changes: ChangesDep) -> Response:
     _flush_spans(recorder)
-    return _json(_ended(request, _call(store.complete, rollout_id, worker_id=body.worker_id, reward=body.reward)))
+    row = _call(store.complete, rollout_id, worker_id=body.worker_id, reward=body.reward)
+    changes.bump()
+    return _json(_ended(request, row))
 
 
 @router.post("/rollouts/{rollout_id}/fail", responses=error_responses(400, 404, 409))
 def fail(rollout_id: RolloutId, body: FailIn, store: StoreDep,
-         recorder: RecorderDep, request: Request) -> Response:
+         recorder: RecorderDep, request: Request, changes: ChangesDep) -> Response:
     _flush_spans(recorder)
-    return _json(_ended(request, _call(store.fail, rollout_id, error=body.error, worker_id=body.worker_id,
-                                       traceback=body.traceback)))
+    row = _call(store.fail, rollout_id, error=body.error, worker_id=body.worker_id, traceback=body.traceback)
+    changes.bump()  # ended, or queued again for another attempt
+    return _json(_ended(request, row))
 
 
 @router.post("/rollouts/{rollout_id}/release", responses=error_responses(400, 404, 409))
-def release(rollout_id: RolloutId, body: ReleaseIn, store: StoreDep) -> Response:
-    return _json(_call(store.release, rollout_id, worker_id=body.worker_id))
+def release(rollout_id: RolloutId, body: ReleaseIn, store: StoreDep, changes: ChangesDep) -> Response:
+    row = _call(store.release, rollout_id, worker_id=body.worker_id)
+    changes.bump()
+    return _json(row)
 
 
 # -- rewards and events ------------------------------------------------------------------------------------
@@ -259,11 +277,28 @@ class RolloutFilters(QueryModel):
     with_tool_parse: bool = True
     """Each rollout with ``tool_parse``: its calls by how their tool-call parse went (one query for the
     page; a poller that only follows statuses turns it off)."""
+    wait_s: float = Field(0.0, ge=0, le=MAX_WAIT_S, allow_inf_nan=False)
+    """While a rollout of the page is queued or running, hold the answer up to this many seconds until
+    none is (long polling: a trainer waiting for its groups asks once instead of polling)."""
+
+
+def _settled(page: tuple[list[dict], str | None]) -> bool:
+    return all(r["status"] not in ("queued", "running") for r in page[0])
 
 
 @router.get("/rollouts", responses=error_responses(400))
-def list_rollouts(filters: Annotated[RolloutFilters, Query()], store: StoreDep) -> Response:
-    rollouts, cursor = _call(store.list_rollouts, **filters.model_dump(exclude={"with_events", "with_tool_parse"}))
+async def list_rollouts(filters: Annotated[RolloutFilters, Query()], store: StoreDep,
+                        changes: ChangesDep) -> Response:
+    query = filters.model_dump(exclude={"with_events", "with_tool_parse", "wait_s"})
+
+    def fetch() -> Any:
+        return run_in_threadpool(_call, store.list_rollouts, **query)
+
+    rollouts, cursor = await held(fetch, _settled, changes, filters.wait_s)
+    return await run_in_threadpool(_page, rollouts, cursor, filters, store)
+
+
+def _page(rollouts: list[dict], cursor: str | None, filters: RolloutFilters, store: Any) -> Response:
     if filters.with_events:
         events = store.list_events_many([r["rollout_id"] for r in rollouts])
         for r in rollouts:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tracegym.client import GatewayClient, config_for
+from tracegym.client import GatewayClient, GatewayError, config_for
 from tracegym.types import Trajectory
 
 TERMINAL = {"completed", "failed"}
@@ -66,31 +66,43 @@ class ControlClient:
                 rows[r["group_id"]].append(r)
             yield from rows.items()
 
-    def refresh(self, groups: list[Group]) -> None:
+    def refresh(self, groups: list[Group], *, wait_s: float = 0.0) -> None:
         """The statuses and rewards of the groups not done yet, in one request per 500 groups: the trainer
-        polls while its engine generates, and each request costs the gateway and this process CPU that the
-        engine's threads would otherwise have."""
+        follows them while its engine generates, and each request costs the gateway and this process CPU that
+        the engine's threads would otherwise have. With ``wait_s``, the gateway holds each answer up to that
+        long until none of its rollouts is queued or running."""
         pending = {g.group_id: g for g in groups if not g.done}
-        for gid, rs in self._rollouts_by_group(list(pending), with_tool_parse=False):
+        held = {"wait_s": wait_s} if wait_s else {}
+        for gid, rs in self._rollouts_by_group(list(pending), with_tool_parse=False, **held):
             g = pending[gid]
             g.statuses = {r["rollout_id"]: r["status"] for r in rs}
             g.rewards = {r["rollout_id"]: r.get("reward") for r in rs if r["status"] == "completed"}
 
     def wait(
-        self, groups: list[Group], *, timeout: float, poll: float = 0.25,
+        self, groups: list[Group], *, timeout: float, poll: float = 0.25, hold_s: float = 1.0,
         on_poll: Callable[[list[Group]], None] | None = None,
     ) -> bool:  # fmt: skip
-        """Wait until every group is done or ``timeout`` passes; True if all finished."""
+        """Wait until every group is done or ``timeout`` passes; True if all finished. Each look is held at
+        the gateway up to ``hold_s`` until the groups' rollouts have ended, so the wait ends when they do
+        (``on_poll`` runs after each look); looks that come back sooner are ``poll`` apart."""
         deadline = time.monotonic() + timeout
         while True:
-            self.refresh(groups)
+            t0 = time.monotonic()
+            try:
+                self.refresh(groups, wait_s=min(hold_s, max(0.0, deadline - t0)))
+            except GatewayError as e:
+                if not (hold_s and e.status == 400 and "wait_s" in str(e)):
+                    raise
+                hold_s = 0.0  # a gateway older than held answers: poll
+                continue
             if on_poll:
                 on_poll(groups)
             if all(g.done for g in groups):
                 return True
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 return False
-            time.sleep(poll)
+            time.sleep(max(0.0, poll - (now - t0)))
 
     def completed_rollouts(self, groups: list[Group]) -> list[dict[str, Any]]:
         """The completed rollouts of ``groups`` as ``GET /api/rollouts/{id}`` shows them (with their rewards

@@ -28,6 +28,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tracegym.engine import kv_batch as kvb
+from tracegym.engine.precast import LinearCasts
 from tracegym.engine.request import ABORTED, ABORTED_WAITING, GenRequest
 from tracegym.engine.sampling import sample_rows, top_logprobs
 from tracegym.engine.scoring import fill_prompt_logprobs, kept_columns, scoring_plan
@@ -73,6 +74,8 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
         self.autocast_dtype = autocast_dtype
+        # Linear weights cast to the autocast dtype once per load, not at every forward (``precast.py``)
+        self.casts = LinearCasts(model, autocast_dtype) if autocast_dtype is not None else None
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.stats = EngineStats()
         self.paused = False
@@ -460,6 +463,8 @@ class Scheduler:
             return
         try:
             apply_state(self.model, s.state)
+            if self.casts is not None:
+                self.casts.refresh()
         except Exception as e:
             # Keep serving, with the old weights: ``apply_state`` stages every tensor before copying any.
             log.exception("applying the new weights failed")

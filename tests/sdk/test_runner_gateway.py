@@ -3,6 +3,7 @@ since these agents make no LLM calls): success, reward, exception, lease and Ctr
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Iterator
@@ -77,6 +78,21 @@ async def test_heartbeats_keep_the_lease(client: GatewayClient, gateway: Managed
     r = client.get_rollout(rid)
     assert stats.done == 1 and stats.lost == 0
     assert (r["status"], r["attempt"], r["reward"]) == ("completed", 1, 1.0)
+
+
+async def test_an_idle_runner_starts_a_rollout_the_moment_it_is_enqueued(
+    client: GatewayClient, gateway: ManagedProcess
+) -> None:
+    assert client.get("/api/rollouts", "list rollouts", {"status": "queued"})["rollouts"] == []
+    # claims 30 s apart: only a claim held at the gateway takes the rollout within the bound below
+    run = asyncio.create_task(run_agent(agents.echo_reward, gateway.base_url, max_rollouts=1,
+                                        poll_interval=30, claim_wait_s=10))
+    await asyncio.sleep(0.5)  # the runner's first claim waits at the gateway
+    (rid,) = await asyncio.to_thread(enqueue, client, [{"reward": 1.0}])
+    t0 = time.monotonic()
+    stats = await asyncio.wait_for(run, 60)
+    assert stats.done == 1 and time.monotonic() - t0 < 8
+    assert client.get_rollout(rid)["status"] == "completed"
 
 
 def test_sigterm_releases(client: GatewayClient, gateway: ManagedProcess, tmp_path: Path) -> None:

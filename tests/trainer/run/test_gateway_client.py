@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 from fastapi.testclient import TestClient
 
 from tests.gateway.helpers import make_app, make_record
@@ -114,4 +117,26 @@ def test_tool_parse_counts_of_a_steps_completed_rollouts(tmp_path) -> None:
         # calls 0 and 2 (ok, none) on the first rollout, 1 and 3 (failed, ok) on the second
         assert sorted(counts, key=lambda c: c["none"]) == [{"ok": 1, "failed": 1, "none": 0},
                                                            {"ok": 1, "failed": 0, "none": 1}]
+    store.close()
+
+
+def test_wait_ends_when_the_groups_end_not_at_the_next_poll(tmp_path) -> None:
+    store = Store.open(f"sqlite:///{tmp_path / 'tg.db'}")
+    with TestClient(make_app(store)) as http:
+        ctl = ControlClient("http://testserver")
+        ctl.client._http.close()
+        ctl.client._http = http
+        groups = ctl.enqueue([{"input": 1}], group_size=2, split="train")
+        claimed = store.claim("w", limit=2, lease_seconds=30)
+
+        def finish() -> None:  # through the store, as another gateway would: seen at the held answer's next look
+            for r in claimed:
+                store.complete(r["rollout_id"], worker_id="w", reward=1.0)
+
+        threading.Timer(0.5, finish).start()
+        t0 = time.monotonic()
+        # looks 30 s apart: only an answer held at the gateway sees the groups end within the bound below
+        assert ctl.wait(groups, timeout=60, poll=30, hold_s=10) is True
+        assert time.monotonic() - t0 < 8
+        assert groups[0].rewards == {r["rollout_id"]: 1.0 for r in claimed}
     store.close()

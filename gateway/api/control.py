@@ -73,7 +73,7 @@ RealNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Int32 = integer(INT32_MIN, INT32_MAX)
 """A value kept in a 32-bit column."""
 Lease = Annotated[float, Field(gt=0, le=MAX_LEASE_SECONDS, allow_inf_nan=False)]
-WaitSeconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)]
+WaitSeconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S, strict=True, allow_inf_nan=False)]
 
 
 class _Body(BaseModel):

@@ -8,6 +8,7 @@ well under a second), so a loaded machine does not turn them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -91,10 +92,11 @@ def test_a_held_list_answers_when_the_last_rollout_of_the_page_ends(gateway) -> 
     assert statuses[rids[1]] == "failed"
 
 
-@pytest.mark.parametrize("body", [{"worker_id": "w", "wait_s": 31}, {"worker_id": "w", "wait_s": -1}])
-def test_a_hold_out_of_bounds_is_refused(gateway, body: dict) -> None:
+@pytest.mark.parametrize("wait_s", [31, -1, False, "1", float("nan")])
+def test_a_hold_out_of_bounds_or_not_a_number_is_refused(gateway, wait_s: object) -> None:
     _, http = gateway
-    answer = http.post("/api/rollouts/claim", json=body)
+    body = '{"worker_id": "w", "wait_s": %s}' % ("NaN" if wait_s != wait_s else json.dumps(wait_s))
+    answer = http.post("/api/rollouts/claim", content=body, headers={"content-type": "application/json"})
     assert answer.status_code == 400 and "wait_s" in answer.text
     assert http.get("/api/rollouts", params={"wait_s": 31}).status_code == 400
 

@@ -47,6 +47,12 @@ class GatewayUnreachableError(GatewayError):
     last: str = ""
 
 
+def refused_field(e: GatewayError, name: str) -> bool:
+    """The gateway refused a request for a body or query field ``name`` it does not know or accept (a 400
+    naming it): how a client tells a gateway older than an optional field."""
+    return e.status == 400 and name in str(e)
+
+
 class LeaseLostError(GatewayError):
     """409 from the queue: the rollout's lease was lost or the rollout is already finished."""
 

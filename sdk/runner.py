@@ -46,6 +46,7 @@ from tracegym.client import (
     LeaseLostError,
     SDKConfig,
     config_for,
+    refused_field,
 )
 from tracegym.context import RolloutScope
 from tracegym.progress import Progress, RunStats
@@ -162,7 +163,7 @@ class Runner:
                 limit = free if remaining is None else min(free, remaining)
                 claimed = await self._claim(limit)
                 if claimed and (stop.is_set() or self._force):  # stopped while the claim waited
-                    await self._release_claimed(claimed)
+                    await self._release([r["rollout_id"] for r in claimed])
                     return
                 for r in claimed:
                     self._start(r)
@@ -182,7 +183,7 @@ class Runner:
         try:
             claimed = await self._api.claim(self.worker_id or "", limit, self.lease_seconds, wait_s)
         except GatewayError as e:
-            if wait_s and e.status == 400 and "wait_s" in str(e):  # a gateway older than held claims
+            if wait_s and refused_field(e, "wait_s"):  # a gateway older than held claims
                 log.warning("the gateway does not hold claims (%s): polling every %.1fs", e, self.poll_interval)
                 self.claim_wait_s = 0.0
                 return []
@@ -332,14 +333,14 @@ class Runner:
         except GatewayError as e:
             log.warning("rollout %s: heartbeat failed: %s", rid, e)
 
-    async def _release_claimed(self, claimed: list[dict[str, Any]]) -> None:
-        """Give back rollouts a claim brought after the runner was told to stop."""
-        for r in claimed:
+    async def _release(self, rollout_ids: list[str]) -> None:
+        """Give rollouts back to the queue (a failed release is logged: the lease expires instead)."""
+        for rid in rollout_ids:
             try:
-                await self._api.release(r["rollout_id"], self.worker_id or "")
+                await self._api.release(rid, self.worker_id or "")
                 self.stats.released += 1
             except GatewayError as e:
-                log.warning("could not release rollout %s: %s", r["rollout_id"], e)
+                log.warning("could not release rollout %s: %s", rid, e)
 
     async def _release_all(self) -> None:
         flights = list(self._flights.items())
@@ -348,12 +349,7 @@ class Runner:
             if flight.task is not None:
                 flight.task.cancel()
         await asyncio.gather(*(f.task for _, f in flights if f.task is not None), return_exceptions=True)
-        for rid, _ in flights:
-            try:
-                await self._api.release(rid, self.worker_id or "")
-                self.stats.released += 1
-            except GatewayError as e:
-                log.warning("could not release rollout %s: %s", rid, e)
+        await self._release([rid for rid, _ in flights])
         self._flights.clear()
         self.stats.running = 0
 

@@ -289,16 +289,17 @@ def _settled(page: tuple[list[dict], str | None]) -> bool:
 @router.get("/rollouts", responses=error_responses(400))
 async def list_rollouts(filters: Annotated[RolloutFilters, Query()], store: StoreDep,
                         changes: ChangesDep) -> Response:
-    query = filters.model_dump(exclude={"with_events", "with_tool_parse", "wait_s"})
-
     def fetch() -> Any:
-        return run_in_threadpool(_call, store.list_rollouts, **query)
+        return run_in_threadpool(_page, filters, store)
 
     rollouts, cursor = await held(fetch, _settled, changes, filters.wait_s)
-    return await run_in_threadpool(_page, rollouts, cursor, filters, store)
+    return _json({"rollouts": rollouts, "next_cursor": cursor})
 
 
-def _page(rollouts: list[dict], cursor: str | None, filters: RolloutFilters, store: Any) -> Response:
+def _page(filters: RolloutFilters, store: Any) -> tuple[list[dict], str | None]:
+    """One page of rollouts with what ``filters`` asks to attach (one threadpool hop per look)."""
+    query = filters.model_dump(exclude={"with_events", "with_tool_parse", "wait_s"})
+    rollouts, cursor = _call(store.list_rollouts, **query)
     if filters.with_events:
         events = store.list_events_many([r["rollout_id"] for r in rollouts])
         for r in rollouts:
@@ -307,7 +308,7 @@ def _page(rollouts: list[dict], cursor: str | None, filters: RolloutFilters, sto
         counts = store.tool_parse_counts([r["rollout_id"] for r in rollouts])
         for r in rollouts:
             r["tool_parse"] = counts[r["rollout_id"]]
-    return _json({"rollouts": rollouts, "next_cursor": cursor})
+    return rollouts, cursor
 
 
 def _attach_events(rollout: dict, events: list[dict]) -> None:

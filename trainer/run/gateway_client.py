@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tracegym.client import GatewayClient, GatewayError, config_for
+from tracegym.client import GatewayClient, GatewayError, config_for, refused_field
 from tracegym.types import Trajectory
 
 TERMINAL = {"completed", "failed"}
@@ -91,7 +91,7 @@ class ControlClient:
             try:
                 self.refresh(groups, wait_s=min(hold_s, max(0.0, deadline - t0)))
             except GatewayError as e:
-                if not (hold_s and e.status == 400 and "wait_s" in str(e)):
+                if not (hold_s and refused_field(e, "wait_s")):
                     raise
                 hold_s = 0.0  # a gateway older than held answers: poll
                 continue

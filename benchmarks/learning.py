@@ -24,9 +24,10 @@ start-up left out on both sides, and reported apart). Ratio = product / bare; th
 trained tokens too. The sides run one after the other (a side alone on the two cores); noise on a shared
 machine hits whichever runs then, so compare per-step medians as well as totals. Training time is also given
 per 1,000 tokens of the sequences trained: a step trains only the groups whose rewards differ, so the two
-sides' steps train different amounts; and in CPU seconds of the training process per 1,000 tokens (the bare
-loop's ``process_time``, the product's ``worker_cpu_s``: the ``tracegym train`` process with its in-process
-worker), steadier than wall time on a shared machine. Each side's trained batch shape (rows, micro-batches,
+sides' steps train different amounts; per 1,000 padded tokens (rows × the longest row: what the forward
+and backward ran), the same work whatever the lengths of the rows; and in CPU seconds of the training
+process per 1,000 tokens (the bare loop's ``process_time``, the product's ``worker_cpu_s``: the ``tracegym
+train`` process with its in-process worker), steadier than wall time on a shared machine. Each side's trained batch shape (rows, micro-batches,
 padded against real tokens) and the 1-minute load as it began and ended are recorded with it."""
 
 from __future__ import annotations
@@ -285,13 +286,15 @@ def time_to(side: dict[str, Any], target: float) -> float | None:
     return None
 
 
-def train_s_per_1k_tokens(steps: list[dict[str, Any]], key: str = "train_s") -> float | None:
+def train_s_per_1k_tokens(steps: list[dict[str, Any]], key: str = "train_s", tokens_key: str = "tokens") -> float | None:
     """Training seconds (``key``: wall ``train_s``, or the training process's CPU ``cpu_s``) per 1,000 tokens
-    of the sequences trained, over all steps that trained. The sides train different numbers of sequences
-    per step (only groups whose rewards differ carry a signal, and that depends on what each side
-    sampled), so their median training step times alone do not compare. CPU seconds are steadier than wall
-    seconds when other work shares the machine."""
-    tokens = sum(s.get("tokens", 0.0) for s in steps)
+    of the sequences trained (``tokens_key``: their real ``tokens``, or the ``padded_tokens`` the forward and
+    backward ran: rows × the longest row), over all steps that trained. The sides train different numbers
+    of sequences per step (only groups whose rewards differ carry a signal, and that depends on what each
+    side sampled), so their median training step times alone do not compare; nor do their rows' lengths,
+    so that the same work per padded token is more per real token on the side whose rows differ more in
+    length. CPU seconds are steadier than wall seconds when other work shares the machine."""
+    tokens = sum(s.get(tokens_key, 0.0) for s in steps)
     return 1000 * sum(s.get(key, 0.0) for s in steps if s.get("tokens", 0.0) > 0) / tokens if tokens else None
 
 
@@ -302,6 +305,8 @@ def summary(name: str, side: dict[str, Any], target: float) -> dict[str, Any]:
     return {"side": name, **{f"median_{k}": v for k, v in med.items()}, "steps": len(steps),
             "train_s_per_1k_tokens": train_s_per_1k_tokens(steps),
             "cpu_s_per_1k_tokens": train_s_per_1k_tokens(steps, "cpu_s"),
+            "train_s_per_1k_padded": train_s_per_1k_tokens(steps, tokens_key="padded_tokens"),
+            "cpu_s_per_1k_padded": train_s_per_1k_tokens(steps, "cpu_s", "padded_tokens"),
             "tokens_per_step": statistics.fmean(s.get("tokens", 0.0) for s in steps),
             "padding": (sum(s.get("padded_tokens", 0.0) for s in steps) / max(sum(s.get("tokens", 0.0) for s in steps), 1)),
             "rows_per_step": statistics.fmean(s.get("sequences", 0.0) for s in trained) if trained else 0.0,
@@ -365,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"product / bare, training CPU seconds per 1,000 tokens trained: "
                   f"{q['cpu_s_per_1k_tokens'] / b['cpu_s_per_1k_tokens']:.2f}x "
                   f"({q['cpu_s_per_1k_tokens']:.2f} vs {b['cpu_s_per_1k_tokens']:.2f})")
+        if b["train_s_per_1k_padded"] and q["train_s_per_1k_padded"] and b["cpu_s_per_1k_padded"]:
+            print(f"product / bare, per 1,000 padded tokens (rows x the longest row, what the forward ran): "
+                  f"training seconds {q['train_s_per_1k_padded'] / b['train_s_per_1k_padded']:.2f}x, "
+                  f"CPU seconds {q['cpu_s_per_1k_padded'] / b['cpu_s_per_1k_padded']:.2f}x")
         print(f"trained batch shape, product vs bare: {q['rows_per_step']:.1f} vs {b['rows_per_step']:.1f} rows, "
               f"{q['micro_batches_per_step']:.1f} vs {b['micro_batches_per_step']:.1f} micro-batches per step; "
               f"padded / real tokens {q['padding']:.2f} vs {b['padding']:.2f}; load {q['load']} vs {b['load']}")

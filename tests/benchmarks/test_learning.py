@@ -1,4 +1,5 @@
-"""The learning benchmark's report: time to the target, and training time per 1,000 tokens trained."""
+"""The learning benchmark's report: time to the target, and training time per 1,000 tokens trained (real and
+padded)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,17 @@ def test_training_time_is_compared_per_token_trained() -> None:
     # a step that trained nothing (every group's rewards equal) adds neither time nor tokens
     assert train_s_per_1k_tokens([*few, _step(3, 0.01, 0)]) == pytest.approx(2.0)
     assert train_s_per_1k_tokens([_step(1, 0.01, 0)]) is None
+
+
+def test_training_time_per_padded_token_counts_the_padding_the_forward_ran() -> None:
+    # the same seconds for the same real tokens, but one side's rows differ in length: twice the padding
+    even = [{**_step(1, 2.0, 1000), "padded_tokens": 1000.0}]
+    ragged = [{**_step(1, 2.0, 1000), "padded_tokens": 2000.0}]
+    assert train_s_per_1k_tokens(even) == train_s_per_1k_tokens(ragged) == pytest.approx(2.0)
+    assert train_s_per_1k_tokens(even, tokens_key="padded_tokens") == pytest.approx(2.0)
+    assert train_s_per_1k_tokens(ragged, tokens_key="padded_tokens") == pytest.approx(1.0)
+    row = summary("product", {"steps": ragged, "startup_s": 0.0, "evals": []}, 0.6)
+    assert row["train_s_per_1k_padded"] == pytest.approx(1.0) and row["padding"] == pytest.approx(2.0)
 
 
 def test_summary_and_time_to_target() -> None:

@@ -25,7 +25,9 @@ trained tokens too. The sides run one after the other (a side alone on the two c
 machine hits whichever runs then, so compare per-step medians as well as totals. Training time is also given
 per 1,000 tokens of the sequences trained: a step trains only the groups whose rewards differ, so the two
 sides' steps train different amounts; per 1,000 padded tokens (rows × the longest row: what the forward
-and backward ran), the same work whatever the lengths of the rows; and in CPU seconds of the training
+and backward ran), the same work whatever the lengths of the rows; after each side's first training step
+(a process's first step pays its warm-up: the product's trainer is a process of its own that has run
+nothing before it, where the bare loop's process has run its generation and evaluation); and in CPU seconds of the training
 process per 1,000 tokens (the bare loop's ``process_time``, the product's ``worker_cpu_s``: the ``tracegym
 train`` process with its in-process worker), steadier than wall time on a shared machine. Each side's trained batch shape (rows, micro-batches,
 padded against real tokens) and the 1-minute load as it began and ended are recorded with it."""
@@ -307,6 +309,10 @@ def summary(name: str, side: dict[str, Any], target: float) -> dict[str, Any]:
             "cpu_s_per_1k_tokens": train_s_per_1k_tokens(steps, "cpu_s"),
             "train_s_per_1k_padded": train_s_per_1k_tokens(steps, tokens_key="padded_tokens"),
             "cpu_s_per_1k_padded": train_s_per_1k_tokens(steps, "cpu_s", "padded_tokens"),
+            # the first training step of a process pays its warm-up (memory first touched, kernels first built)
+            "first_train": (trained[0]["train_s"], trained[0].get("padded_tokens", 0.0)) if trained else None,
+            "train_s_per_1k_tokens_after_first": train_s_per_1k_tokens(trained[1:]),
+            "train_s_per_1k_padded_after_first": train_s_per_1k_tokens(trained[1:], tokens_key="padded_tokens"),
             "tokens_per_step": statistics.fmean(s.get("tokens", 0.0) for s in steps),
             "padding": (sum(s.get("padded_tokens", 0.0) for s in steps) / max(sum(s.get("tokens", 0.0) for s in steps), 1)),
             "rows_per_step": statistics.fmean(s.get("sequences", 0.0) for s in trained) if trained else 0.0,
@@ -374,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"product / bare, per 1,000 padded tokens (rows x the longest row, what the forward ran): "
                   f"training seconds {q['train_s_per_1k_padded'] / b['train_s_per_1k_padded']:.2f}x, "
                   f"CPU seconds {q['cpu_s_per_1k_padded'] / b['cpu_s_per_1k_padded']:.2f}x")
+        if b["first_train"] and q["first_train"] and b["train_s_per_1k_tokens_after_first"] \
+                and q["train_s_per_1k_tokens_after_first"] and b["train_s_per_1k_padded_after_first"]:
+            print(f"first training step, product vs bare: {q['first_train'][0]:.2f} s for {q['first_train'][1]:.0f} "
+                  f"padded tokens vs {b['first_train'][0]:.2f} s for {b['first_train'][1]:.0f}; after it, per 1,000 "
+                  f"tokens trained {q['train_s_per_1k_tokens_after_first'] / b['train_s_per_1k_tokens_after_first']:.2f}x, "
+                  f"per 1,000 padded {q['train_s_per_1k_padded_after_first'] / b['train_s_per_1k_padded_after_first']:.2f}x")
         print(f"trained batch shape, product vs bare: {q['rows_per_step']:.1f} vs {b['rows_per_step']:.1f} rows, "
               f"{q['micro_batches_per_step']:.1f} vs {b['micro_batches_per_step']:.1f} micro-batches per step; "
               f"padded / real tokens {q['padding']:.2f} vs {b['padding']:.2f}; load {q['load']} vs {b['load']}")

@@ -35,6 +35,17 @@ def test_training_time_per_padded_token_counts_the_padding_the_forward_ran() -> 
     assert row["train_s_per_1k_padded"] == pytest.approx(1.0) and row["padding"] == pytest.approx(2.0)
 
 
+def test_the_first_training_step_is_reported_apart() -> None:
+    # a cold first step (4 s for 500 padded tokens), then 1 s per 1,000; a step that trained nothing is skipped
+    steps = [{**_step(1, 0.01, 0), "padded_tokens": 0.0}, {**_step(2, 4.0, 400), "padded_tokens": 500.0},
+             {**_step(3, 1.0, 800), "padded_tokens": 1000.0}, {**_step(4, 2.0, 1600), "padded_tokens": 2000.0}]
+    row = summary("product", {"steps": steps, "startup_s": 0.0, "evals": []}, 0.6)
+    assert row["first_train"] == (4.0, 500.0)
+    assert row["train_s_per_1k_padded_after_first"] == pytest.approx(1.0)
+    assert row["train_s_per_1k_tokens_after_first"] == pytest.approx(1.25)
+    assert row["train_s_per_1k_padded"] == pytest.approx(7000 / 3500)
+
+
 def test_summary_and_time_to_target() -> None:
     side = {"steps": [_step(1, 2.0, 1000), _step(2, 4.0, 3000), _step(3, 3.0, 2000)], "startup_s": 5.0,
             "evals": [{"step": 0, "reward": 0.1, "eval_s": 3.0}, {"step": 2, "reward": 0.7, "eval_s": 3.0}]}

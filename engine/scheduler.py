@@ -5,11 +5,8 @@ requests are admitted up to ``max_batch_size``: they are prefilled together (tho
 logprobs in a forward of their own that keeps the logits they need: ``scoring.py``), their first token
 sampled, and their cache rows merged into the running batch, which then decodes one token per row per step.
 Finished rows leave at once. So a request arriving mid-batch joins at the next step, not the next batch.
-An idle engine gathers a burst before its first prefill: the requests of a training step arrive over HTTP
-one by one, up to a few milliseconds apart, and the first of them, prefilled at once, would run a forward of
-its own while the rest queue behind it. So while nothing runs, the thread waits for the queue to go quiet
-(``gather_quiet_s`` without a new request, at most ``gather_max_s`` in all, or a full batch) and prefills
-what came together.
+An idle engine gathers a burst first (``_gather``): a step's requests arrive over HTTP one by one, up to a few
+ms apart, and the first, prefilled at once, would run a forward of its own while the rest queue behind it.
 
 Control operations (abort, pause, continue, weight update) are commands run by this thread between two
 steps, so the model is never modified under a running forward pass. A weight update on an unpaused
@@ -43,11 +40,9 @@ from tracegym.engine.weights import apply_state
 log = logging.getLogger(__name__)
 
 GATHER_QUIET_S = 0.006
-"""An idle engine's wait for the next request of a burst before it prefills what arrived (see the module
-docstring): a lone request waits this much once; a burst's requests, each within it of the last, are
-prefilled together."""
+"""An idle engine's wait for a burst's next request (a lone request waits this once)."""
 GATHER_MAX_S = 0.03
-"""The longest an idle engine gathers a burst before its first prefill, however steadily requests come."""
+"""The longest an idle engine gathers a burst, however steadily requests come."""
 
 
 @dataclass
@@ -80,8 +75,7 @@ class Scheduler:
         max_batch_size: int,
         weight_version: str,
         autocast_dtype: torch.dtype | None = None,
-        gather_quiet_s: float = GATHER_QUIET_S,
-        gather_max_s: float = GATHER_MAX_S,
+        gather_quiet_s: float = GATHER_QUIET_S, gather_max_s: float = GATHER_MAX_S,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -266,23 +260,16 @@ class Scheduler:
                 self._fail_swap(e)
 
     def _gather(self) -> None:
-        """Called holding ``_cv`` with work to do: when the engine is idle and requests just arrived, wait
-        while more keep arriving (each within ``gather_quiet_s`` of the last, for at most ``gather_max_s``,
-        until a batch is full) so that a burst is prefilled in one forward. A command or a stop ends it."""
-        if (self.gather_quiet_s <= 0 or self._running or self.paused or self._commands
-                or not self._incoming):
+        """Holding ``_cv``, idle with requests just arrived: wait while more keep arriving (each within
+        ``gather_quiet_s`` of the last, ``gather_max_s`` in all, up to a full batch); a command or stop ends it."""
+        if self.gather_quiet_s <= 0 or self._running or self.paused or self._commands or not self._incoming:
             return
-        deadline = time.monotonic() + self.gather_max_s
-        while not self._stopping and not self._commands:
+        deadline, seen = time.monotonic() + self.gather_max_s, -1
+        while (not self._stopping and not self._commands and len(self._incoming) != seen  # one arrived in the gap
+               and len(self._incoming) + len(self._waiting) < self.max_batch_size
+               and (left := deadline - time.monotonic()) > 0):
             seen = len(self._incoming)
-            if seen + len(self._waiting) >= self.max_batch_size:
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
             self._cv.wait(min(self.gather_quiet_s, left))
-            if len(self._incoming) == seen:  # quiet for gather_quiet_s (or woken by a command): go
-                return
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:

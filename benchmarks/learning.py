@@ -27,10 +27,10 @@ per 1,000 tokens of the sequences trained: a step trains only the groups whose r
 sides' steps train different amounts; per 1,000 padded tokens (rows × the longest row: what the forward
 and backward ran), the same work whatever the lengths of the rows; after each side's first training step
 (a process's first step pays its warm-up: the product's trainer is a process of its own that has run
-nothing before it, where the bare loop's process has run its generation and evaluation); and in CPU seconds of the training
-process per 1,000 tokens (the bare loop's ``process_time``, the product's ``worker_cpu_s``: the ``tracegym
-train`` process with its in-process worker), steadier than wall time on a shared machine. Each side's trained batch shape (rows, micro-batches,
-padded against real tokens) and the 1-minute load as it began and ended are recorded with it."""
+nothing before it, where the bare loop's process has run its generation and evaluation); and in CPU
+seconds of the training process per 1,000 tokens (the bare loop's ``process_time``, the product's
+``worker_cpu_s``: the ``tracegym train`` process with its in-process worker), steadier than wall time on a
+shared machine. Each side's trained batch shape (rows, micro-batches, padded against real tokens) and the 1-minute load as it began and ended are recorded with it."""
 
 from __future__ import annotations
 
@@ -288,7 +288,8 @@ def time_to(side: dict[str, Any], target: float) -> float | None:
     return None
 
 
-def train_s_per_1k_tokens(steps: list[dict[str, Any]], key: str = "train_s", tokens_key: str = "tokens") -> float | None:
+def train_s_per_1k_tokens(steps: list[dict[str, Any]], key: str = "train_s",
+                          tokens_key: str = "tokens") -> float | None:
     """Training seconds (``key``: wall ``train_s``, or the training process's CPU ``cpu_s``) per 1,000 tokens
     of the sequences trained (``tokens_key``: their real ``tokens``, or the ``padded_tokens`` the forward and
     backward ran: rows × the longest row), over all steps that trained. The sides train different numbers
@@ -376,16 +377,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"product / bare, training CPU seconds per 1,000 tokens trained: "
                   f"{q['cpu_s_per_1k_tokens'] / b['cpu_s_per_1k_tokens']:.2f}x "
                   f"({q['cpu_s_per_1k_tokens']:.2f} vs {b['cpu_s_per_1k_tokens']:.2f})")
-        if b["train_s_per_1k_padded"] and q["train_s_per_1k_padded"] and b["cpu_s_per_1k_padded"]:
-            print(f"product / bare, per 1,000 padded tokens (rows x the longest row, what the forward ran): "
-                  f"training seconds {q['train_s_per_1k_padded'] / b['train_s_per_1k_padded']:.2f}x, "
-                  f"CPU seconds {q['cpu_s_per_1k_padded'] / b['cpu_s_per_1k_padded']:.2f}x")
-        if b["first_train"] and q["first_train"] and b["train_s_per_1k_tokens_after_first"] \
-                and q["train_s_per_1k_tokens_after_first"] and b["train_s_per_1k_padded_after_first"]:
+
+        def ratio(key: str) -> str:
+            return f"{q[key] / b[key]:.2f}x" if q[key] and b[key] else "-"
+
+        print(f"product / bare, per 1,000 padded tokens (rows x the longest row, what the forward ran): "
+              f"training seconds {ratio('train_s_per_1k_padded')}, CPU seconds {ratio('cpu_s_per_1k_padded')}")
+        if b["first_train"] and q["first_train"]:
             print(f"first training step, product vs bare: {q['first_train'][0]:.2f} s for {q['first_train'][1]:.0f} "
                   f"padded tokens vs {b['first_train'][0]:.2f} s for {b['first_train'][1]:.0f}; after it, per 1,000 "
-                  f"tokens trained {q['train_s_per_1k_tokens_after_first'] / b['train_s_per_1k_tokens_after_first']:.2f}x, "
-                  f"per 1,000 padded {q['train_s_per_1k_padded_after_first'] / b['train_s_per_1k_padded_after_first']:.2f}x")
+                  f"tokens trained {ratio('train_s_per_1k_tokens_after_first')}, "
+                  f"per 1,000 padded {ratio('train_s_per_1k_padded_after_first')}")
         print(f"trained batch shape, product vs bare: {q['rows_per_step']:.1f} vs {b['rows_per_step']:.1f} rows, "
               f"{q['micro_batches_per_step']:.1f} vs {b['micro_batches_per_step']:.1f} micro-batches per step; "
               f"padded / real tokens {q['padding']:.2f} vs {b['padding']:.2f}; load {q['load']} vs {b['load']}")

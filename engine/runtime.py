@@ -21,6 +21,7 @@ from tracegym.engine.request import GenRequest, Snapshot
 from tracegym.engine.sampling import make_generator
 from tracegym.engine.scheduler import Scheduler
 from tracegym.engine.weights import read_checkpoint
+from tracegym.modelfiles.cpu_memory import keep_freed_memory
 from tracegym.modelfiles.load import cpu_compute_dtype, default_device, load_model, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype, self.device.type)
         if self.device.type == "cpu":
             dtype = cpu_compute_dtype(dtype)
+            keep_freed_memory()  # each round's batch reuses the last one's pages (modelfiles.cpu_memory)
         # On CPU, bf16 runs as autocast over fp32 weights; on CUDA the weights themselves are in ``dtype``.
         cpu_autocast = self.device.type == "cpu" and dtype != torch.float32
         self.model = load_model(

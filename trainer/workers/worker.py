@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import resource
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tracegym.modelfiles.cpu_memory import keep_freed_memory
 from tracegym.modelfiles.formats import write_weights_dir
 from tracegym.modelfiles.load import cpu_compute_dtype
 from tracegym.trainer.algorithms.losses import entropy_from_logits, policy_loss
@@ -91,6 +93,8 @@ class TrainWorker:
         init_distributed(self.rank, self.world_size, master_addr, master_port, backend)
         torch.manual_seed(cfg.seed + self.rank)
         random.seed(cfg.seed + self.rank)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each step reuses the last one's pages (modelfiles.cpu_memory)
         self.bf16_compute = self.device.type != "cpu" or cpu_compute_dtype(torch.bfloat16) is torch.bfloat16  # fast?
         self.model = self._load(trainable=True)
         # the adapters' parameters, found once: not a walk over the model's modules at every swap
@@ -164,7 +168,7 @@ class TrainWorker:
         ``adapter``: the LoRA adapter these samples train (only its parameters get gradients, so the
         step moves only it); ``advance=False`` keeps the step count (the other adapters of the same
         training step follow). ``objective``: the loss (``algorithms.objectives``)."""
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, ru0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         if adapter is not None:
             activate(self.model, adapter)
         lr = set_lr(self.optimizer, self.step, self.cfg.optim, self.cfg.total_steps)
@@ -201,12 +205,16 @@ class TrainWorker:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += int(advance)
+        ru = resource.getrusage(resource.RUSAGE_SELF)
         return sums | {
             "grad_norm": grad_norm,
             "lr": lr,
             "skipped": float(not finite),
             "time": time.perf_counter() - t0,
             "cpu_s": time.process_time() - c0,
+            # memory faulted in (freed and allocated again: modelfiles.cpu_memory) and the kernel's time
+            "sys_s": ru.ru_stime - ru0.ru_stime,
+            "page_faults": float(ru.ru_minflt - ru0.ru_minflt),
         }
 
     def _loss(self, objective: str, mb: Any, logprobs: torch.Tensor,

@@ -30,7 +30,9 @@ and backward ran), the same work whatever the lengths of the rows; after each si
 nothing before it, where the bare loop's process has run its generation and evaluation); and in CPU
 seconds of the training process per 1,000 tokens (the bare loop's ``process_time``, the product's
 ``worker_cpu_s``: the ``tracegym train`` process with its in-process worker), steadier than wall time on a
-shared machine. Each side's trained batch shape (rows, micro-batches, padded against real tokens) and the 1-minute load as it began and ended are recorded with it."""
+shared machine. Also per step after the first: the page faults and system seconds of the training process
+(memory faulted in again, ``modelfiles.cpu_memory``). Each side's trained batch shape (rows, micro-batches,
+padded against real tokens) and the 1-minute load as it began and ended are recorded with it."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -220,11 +223,12 @@ def run_bare(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         completions = bare.sample(prompts)
         rewards = bare.rewards(completions, answers)
         gen_s = time.monotonic() - tg
-        tt, ct = time.monotonic(), time.process_time()
+        tt, ct, ru0 = time.monotonic(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         shape = bare.train(prompts, completions, grpo(rewards))
-        train_s, cpu_s = time.monotonic() - tt, time.process_time() - ct
+        train_s, cpu_s, ru = time.monotonic() - tt, time.process_time() - ct, resource.getrusage(resource.RUSAGE_SELF)
         steps.append({"step": step, "gen_s": gen_s, "train_s": train_s, "swap_s": 0.0,
-                      "step_s": gen_s + train_s, "reward": statistics.fmean(rewards), "cpu_s": cpu_s, **shape})
+                      "step_s": gen_s + train_s, "reward": statistics.fmean(rewards), "cpu_s": cpu_s,
+                      "sys_s": ru.ru_stime - ru0.ru_stime, "page_faults": float(ru.ru_minflt - ru0.ru_minflt), **shape})
         print(f"  bare step {step}: gen {gen_s:.1f} s, train {train_s:.1f} s, {cpu_s:.1f} CPU s "
               f"({shape['tokens']:.0f} tokens, {shape['sequences']:.0f} x {shape['padded_tokens'] / max(shape['sequences'], 1):.0f}"
               f" padded), reward {steps[-1]['reward']:.2f}", flush=True)
@@ -263,7 +267,8 @@ def run_product(args: argparse.Namespace) -> dict[str, Any]:
         # cpu_s: the trainer process's CPU time in its step (an in-process worker: the whole `tracegym train`
         # process, so it counts as the bare loop's process_time does)
         steps = [{"step": r["step"], **{k: float(r.get(k, 0.0)) for k in keys},
-                  "cpu_s": float(r.get("worker_cpu_s", 0.0)), "reward": float(r.get("reward_mean", 0.0))}
+                  "cpu_s": float(r.get("worker_cpu_s", 0.0)), "sys_s": float(r.get("worker_sys_s", 0.0)),
+                  "page_faults": float(r.get("worker_page_faults", 0.0)), "reward": float(r.get("reward_mean", 0.0))}
                  for r in rows if r["kind"] == "train"]
         evals = [{"step": r["step"], "reward": float(r["reward_mean"]), "eval_s": float(r["eval_s"])}
                  for r in rows if r["kind"] == "eval"]
@@ -314,6 +319,10 @@ def summary(name: str, side: dict[str, Any], target: float) -> dict[str, Any]:
             "first_train": (trained[0]["train_s"], trained[0].get("padded_tokens", 0.0)) if trained else None,
             "train_s_per_1k_tokens_after_first": train_s_per_1k_tokens(trained[1:]),
             "train_s_per_1k_padded_after_first": train_s_per_1k_tokens(trained[1:], tokens_key="padded_tokens"),
+            # the kernel's part of a training step after the first: memory faulted in again (modelfiles.cpu_memory)
+            "page_faults_after_first": statistics.median(s.get("page_faults", 0.0) for s in trained[1:])
+            if len(trained) > 1 else None,
+            "sys_s_after_first": statistics.median(s.get("sys_s", 0.0) for s in trained[1:]) if len(trained) > 1 else None,
             "tokens_per_step": statistics.fmean(s.get("tokens", 0.0) for s in steps),
             "padding": (sum(s.get("padded_tokens", 0.0) for s in steps) / max(sum(s.get("tokens", 0.0) for s in steps), 1)),
             "rows_per_step": statistics.fmean(s.get("sequences", 0.0) for s in trained) if trained else 0.0,
@@ -388,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"padded tokens vs {b['first_train'][0]:.2f} s for {b['first_train'][1]:.0f}; after it, per 1,000 "
                   f"tokens trained {ratio('train_s_per_1k_tokens_after_first')}, "
                   f"per 1,000 padded {ratio('train_s_per_1k_padded_after_first')}")
+        if q["page_faults_after_first"] is not None and b["page_faults_after_first"] is not None:
+            print(f"a training step after the first, product vs bare (medians): {q['page_faults_after_first']:,.0f} vs "
+                  f"{b['page_faults_after_first']:,.0f} page faults, {q['sys_s_after_first']:.2f} vs "
+                  f"{b['sys_s_after_first']:.2f} s of system time")
         print(f"trained batch shape, product vs bare: {q['rows_per_step']:.1f} vs {b['rows_per_step']:.1f} rows, "
               f"{q['micro_batches_per_step']:.1f} vs {b['micro_batches_per_step']:.1f} micro-batches per step; "
               f"padded / real tokens {q['padding']:.2f} vs {b['padding']:.2f}; load {q['load']} vs {b['load']}")

@@ -44,6 +44,19 @@ def test_the_first_training_step_is_reported_apart() -> None:
     assert row["train_s_per_1k_padded_after_first"] == pytest.approx(1.0)
     assert row["train_s_per_1k_tokens_after_first"] == pytest.approx(1.25)
     assert row["train_s_per_1k_padded"] == pytest.approx(7000 / 3500)
+    assert row["page_faults_after_first"] == 0.0  # these steps did not say
+
+
+def test_page_faults_and_system_time_after_the_first_step() -> None:
+    # the first step faults its memory in; after it, the median of the steps that trained
+    steps = [{**_step(1, 4.0, 400), "page_faults": 900000.0, "sys_s": 3.0},
+             {**_step(2, 0.01, 0), "page_faults": 50.0, "sys_s": 0.0},
+             *({**_step(i, 1.0, 800), "page_faults": f, "sys_s": f / 500000} for i, f in
+               ((3, 200000.0), (4, 100.0), (5, 150000.0)))]
+    row = summary("product", {"steps": steps, "startup_s": 0.0, "evals": []}, 0.6)
+    assert row["page_faults_after_first"] == 150000.0 and row["sys_s_after_first"] == pytest.approx(0.3)
+    one = summary("bare", {"steps": steps[:1], "startup_s": 0.0, "evals": []}, 0.6)
+    assert one["page_faults_after_first"] is None and one["sys_s_after_first"] is None
 
 
 def test_summary_and_time_to_target() -> None:

@@ -301,6 +301,8 @@ def combine_metrics(per_rank: list[dict[str, float]], wall_s: float, world_size:
         "tokens_per_s": total["tokens"] / wall_s if wall_s > 0 else 0.0,
         "step_time": wall_s,
         "worker_cpu_s": max(r["cpu_s"] for r in per_rank),
+        "worker_sys_s": max(r.get("sys_s", 0.0) for r in per_rank),
+        "worker_page_faults": max(r.get("page_faults", 0.0) for r in per_rank),
         "skipped": per_rank[0]["skipped"],
     }
     for k, v in total.items():

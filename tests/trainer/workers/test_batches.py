@@ -160,13 +160,16 @@ def test_combine_metrics_weights_ranks_by_tokens() -> None:
         )
         sums |= {"loss": loss, "tokens": tokens * 2, "mismatch": tokens * 0.01, "nll": tokens * 2.0}
         add_loss_metrics(sums, {"tokens": tokens, "seqs": 2.0, "clip_frac": clip, "pg_loss": loss})
-        ranks.append(sums | {"grad_norm": 1.5, "lr": 1e-5, "skipped": 0.0, "cpu_s": tokens / 10})
+        ranks.append(sums | {"grad_norm": 1.5, "lr": 1e-5, "skipped": 0.0, "cpu_s": tokens / 10,
+                             "sys_s": tokens / 100, "page_faults": tokens * 1000})
     out = combine_metrics(ranks, wall_s=2.0, world_size=2)
     assert out["loss"] == pytest.approx(0.3) and out["pg_loss"] == pytest.approx(0.3)
     assert out["clip_frac"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
     assert out["mismatch"] == pytest.approx(0.01) and out["nll"] == pytest.approx(2.0)
     assert out["tokens"] == 80 and out["loss_tokens"] == 40 and out["tokens_per_s"] == 40
     assert out["grad_norm"] == 1.5 and out["kl"] == 0.0 and out["worker_cpu_s"] == 3.0
+    # the slowest rank's kernel time and page faults, as for its CPU time
+    assert out["worker_sys_s"] == pytest.approx(0.3) and out["worker_page_faults"] == 30000
 
 
 def test_ratio_max_is_a_max_over_micro_batches_and_ranks() -> None:

@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
 
 
 def child(args: argparse.Namespace) -> None:
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     print("keep / default wall per round (medians after the first step): "
           + ", ".join(f"{x:.2f}x" for x in per_round) + f"; median {statistics.median(per_round):.2f}x")
     k, d = med["keep"], med["default"]
-    ratio: dict[str, Any] = {key: (k[key] / d[key] if d[key] else None) for key in ("sys_s", "user_s", "wall_s")}
+    ratio: dict[str, float | None] = {key: (k[key] / d[key] if d[key] else None) for key in ("sys_s", "user_s", "wall_s")}
     print("keep / default after the first step: " + ", ".join(
         f"{key} {v:.2f}x" if v is not None else f"{key} -" for key, v in ratio.items()))
     return 0

@@ -306,6 +306,11 @@ def train_s_per_1k_tokens(steps: list[dict[str, Any]], key: str = "train_s",
     return 1000 * sum(s.get(key, 0.0) for s in steps if s.get("tokens", 0.0) > 0) / tokens if tokens else None
 
 
+def _median_after_first(trained: list[dict[str, Any]], key: str) -> float | None:
+    """The median of ``key`` over the training steps after the first (None: one step or none)."""
+    return statistics.median(s.get(key, 0.0) for s in trained[1:]) if len(trained) > 1 else None
+
+
 def summary(name: str, side: dict[str, Any], target: float) -> dict[str, Any]:
     steps = side["steps"]
     trained = [s for s in steps if s.get("tokens", 0.0) > 0]
@@ -320,9 +325,8 @@ def summary(name: str, side: dict[str, Any], target: float) -> dict[str, Any]:
             "train_s_per_1k_tokens_after_first": train_s_per_1k_tokens(trained[1:]),
             "train_s_per_1k_padded_after_first": train_s_per_1k_tokens(trained[1:], tokens_key="padded_tokens"),
             # the kernel's part of a training step after the first: memory faulted in again (modelfiles.cpu_memory)
-            "page_faults_after_first": statistics.median(s.get("page_faults", 0.0) for s in trained[1:])
-            if len(trained) > 1 else None,
-            "sys_s_after_first": statistics.median(s.get("sys_s", 0.0) for s in trained[1:]) if len(trained) > 1 else None,
+            "page_faults_after_first": _median_after_first(trained, "page_faults"),
+            "sys_s_after_first": _median_after_first(trained, "sys_s"),
             "tokens_per_step": statistics.fmean(s.get("tokens", 0.0) for s in steps),
             "padding": (sum(s.get("padded_tokens", 0.0) for s in steps) / max(sum(s.get("tokens", 0.0) for s in steps), 1)),
             "rows_per_step": statistics.fmean(s.get("sequences", 0.0) for s in trained) if trained else 0.0,

@@ -143,7 +143,9 @@ def test_a_killed_engines_stream_continues_on_another_and_its_rollouts_move(
         out: dict[str, Any] = {}
         t = threading.Thread(target=_stream, args=(srv, "ro-kill", out))
         t.start()
-        wait_until(lambda: engine(srv, first)["inflight"] == 1, what="the stream on its engine")
+        # the gateway counts the call in flight before the engine has read it: wait for both
+        wait_until(lambda: engine(srv, first)["inflight"] == 1 and debug(fakes[first])["requests"],
+                   what="the stream on its engine")
         original = debug(fakes[first])["requests"][-1]
         time.sleep(0.3)  # ~10 of 30 tokens generated
         kill(fakes[first])

@@ -262,7 +262,7 @@ def run_product(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"tracegym train failed ({proc.returncode}):\n" + (work / "train.log").read_text()[-4000:])
         [metrics] = {m.resolve() for m in work.glob("runs/*/*/metrics.jsonl")}  # runs/<name>/latest links too
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        keys = ("gen_s", "train_s", "swap_s", "step_s", "tokens", "loss_tokens", "sequences", "padded_tokens",
+        keys = ("gen_s", "train_s", "swap_s", "swap_save_s", "swap_update_s", "step_s", "tokens", "loss_tokens", "sequences", "padded_tokens",
                 "micro_batches")
         # cpu_s: the trainer process's CPU time in its step (an in-process worker: the whole `tracegym train`
         # process, so it counts as the bare loop's process_time does)
@@ -327,6 +327,9 @@ def summary(name: str, side: dict[str, Any], target: float) -> dict[str, Any]:
             # the kernel's part of a training step after the first: memory faulted in again (modelfiles.cpu_memory)
             "page_faults_after_first": _median_after_first(trained, "page_faults"),
             "sys_s_after_first": _median_after_first(trained, "sys_s"),
+            # a weight swap: the trainer writing the weights, then the gateway's swap (pause, load, continue)
+            "median_swap_save_s": statistics.median(s.get("swap_save_s", 0.0) for s in steps),
+            "median_swap_update_s": statistics.median(s.get("swap_update_s", 0.0) for s in steps),
             "tokens_per_step": statistics.fmean(s.get("tokens", 0.0) for s in steps),
             "padding": (sum(s.get("padded_tokens", 0.0) for s in steps) / max(sum(s.get("tokens", 0.0) for s in steps), 1)),
             "rows_per_step": statistics.fmean(s.get("sequences", 0.0) for s in trained) if trained else 0.0,
@@ -377,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['side']:8} {r['median_gen_s']:6.2f} {r['median_train_s']:8.2f} {per_1k:>8} "
               f"{r['tokens_per_step']:8.0f} {r['median_swap_s']:7.2f} {r['median_step_s']:7.2f} "
               f"{r['startup_s']:8.0f} {r['eval_s']:7.0f} {reach:>9}  {r['held_out']}")
+    for r in rows:
+        if r["median_swap_s"]:
+            print(f"{r['side']}: a weight swap {r['median_swap_s']:.2f} s (medians): writing the weights "
+                  f"{r['median_swap_save_s']:.2f} s, the gateway's swap {r['median_swap_update_s']:.2f} s")
     if len(rows) == 2:
         b, q = rows
         print(f"product / bare, median step time: {q['median_step_s'] / b['median_step_s']:.2f}x "

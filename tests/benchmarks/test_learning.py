@@ -69,6 +69,17 @@ def test_summary_and_time_to_target() -> None:
     assert time_to(side, 0.8) is None
 
 
+def test_a_swap_is_split_into_writing_the_weights_and_the_gateways_swap() -> None:
+    swaps = [(2.6, 0.4, 2.2), (0.9, 0.4, 0.5), (0.6, 0.2, 0.4)]
+    steps = [{**_step(i, 2.0, 1000), "swap_s": t, "swap_save_s": w, "swap_update_s": u}
+             for i, (t, w, u) in enumerate(swaps, 1)]
+    row = summary("product", {"steps": steps, "startup_s": 0.0, "evals": []}, 0.6)
+    assert (row["median_swap_s"], row["median_swap_save_s"], row["median_swap_update_s"]) == (0.9, 0.4, 0.5)
+    # the bare loop samples from the model it trains: no swap, and its rows have no split
+    bare = summary("bare", {"steps": [_step(1, 2.0, 1000)], "startup_s": 0.0, "evals": []}, 0.6)
+    assert bare["median_swap_s"] == bare["median_swap_save_s"] == bare["median_swap_update_s"] == 0.0
+
+
 def test_grpo_drops_groups_whose_rewards_are_all_equal() -> None:
     adv = grpo([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
     assert adv[:4] == [0.0] * 4

@@ -231,9 +231,11 @@ class Trainer(ObjectiveSteps):
             self.objective(), [(g.group_id, [trajs[r] for r in g.rollout_ids if r in trajs]) for g in groups], metrics
         )
 
-    def _swap_to_current(self) -> float:
-        """Write the weights and load them into the upstream as the current version; returns seconds."""
-        return self.swap.push(self.workers, self.state.weight_version).total_s
+    def _swap_to_current(self) -> dict[str, float]:
+        """Write the weights and load them into the upstream as the current version; returns its seconds:
+        ``swap_s`` in all, ``swap_save_s`` writing (or broadcasting) them, ``swap_update_s`` the gateway's swap."""
+        r = self.swap.push(self.workers, self.state.weight_version)
+        return {"swap_s": r.total_s, "swap_save_s": r.save_s, "swap_update_s": r.update_s}
 
     # --- evaluation ---------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -21,7 +21,7 @@ class ObjectiveSteps:
     progress: Any
     _sources: dict[str, list[tuple[str, list[Trajectory]]]]
 
-    def _swap_to_current(self) -> float:
+    def _swap_to_current(self) -> dict[str, float]:
         raise NotImplementedError
 
     def objective(self) -> str:
@@ -68,7 +68,7 @@ class ObjectiveSteps:
             metrics.update(self.workers.train_step(batch, objective))
             metrics["train_s"] = time.monotonic() - t0
             self.state.weight_version += 1
-            metrics["swap_s"] = self._swap_to_current()
+            metrics.update(self._swap_to_current())
         self.state.step += 1
         return metrics
 

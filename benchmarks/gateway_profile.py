@@ -3,7 +3,7 @@ while it runs on a CPU) while the load generator of ``benchmarks.gateway_overhea
 concurrency 32 to a zero-latency SGLang fake, and the samples are grouped by the stage they were in.
 
     python -m benchmarks.gateway_profile [--durability commit|async|both] [--requests 12000] [--rate 250]
-                                         [--top 4] [--gil]
+                                         [--top 4] [--gil] [--stream]
 
 A sample goes to the stage of the innermost project frame on its stack (``gateway/traces``: recording the
 span, store included; ``gateway/proxy/prompt``: rendering and tokenizing the prompt; ``gateway/proxy/upstream``:
@@ -95,6 +95,8 @@ def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Na
     gw, gport = start_gateway(fport, tok_dir, f"sqlite:///{tmp / f'tg-{mode}.db'}", mode, tmp, f"gw-{mode}", [])
     try:
         body, path = _bodies("chat", str(tok_dir), False)
+        if a.stream:
+            body = {**body, "stream": True}
         url = f"http://127.0.0.1:{gport}/v1{path}"
         _run_load(url, body, 32, 2000, tmp, [])  # warm-up: caches, connections, the store's first pages
         out = tmp / f"{mode}.raw"
@@ -128,7 +130,7 @@ def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: 
         stage = stage_of(frames)
         stages[stage] += n
         leaves[stage][frames[-1]] += n
-    print(f"\n--durability {mode}: {load.get('rps', 0):.0f} req/s at c=32, gateway CPU {cpu_us:.0f} µs per call "
+    print(f"\n--durability {mode}{' (streamed calls)' if a.stream else ''}: {load.get('rps', 0):.0f} req/s at c=32, gateway CPU {cpu_us:.0f} µs per call "
           f"(all threads), {total} samples")
     if a.gil:
         print(f"GIL held in {100 * total / (a.rate * seconds):.0f} % of the samples py-spy meant to take "
@@ -149,6 +151,7 @@ def main() -> None:
     p.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil)")
     p.add_argument("--top", type=int, default=4, help="innermost functions listed per stage")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the tiny-random cache)")
+    p.add_argument("--stream", action="store_true", help="streamed chat calls (SSE), as `gateway_overhead --stream`")
     a = p.parse_args()
     a.spy_args = ["--nonblocking", *(["--gil"] if a.gil else [])]
     if shutil.which("py-spy") is None:

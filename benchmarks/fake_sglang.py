@@ -8,7 +8,8 @@ back); without it, the ids are fixed small integers. ``--reply-when KEY=TEXT`` (
 ``--tokenizer``) answers TEXT instead when the decoded prompt contains KEY (the key found last in the
 prompt wins), so one fake can play several replies. Honours ``max_new_tokens`` (finish ``length``),
 ``n`` (list response) and ``stream`` (SGLang's cumulative chunks, one token per chunk). ``--delay``
-sleeps before answering (timeouts); ``--stream-delay`` sleeps between stream chunks (disconnects).
+sleeps before answering (timeouts); ``--stream-delay`` sleeps between stream chunks (disconnects);
+``--one-write`` sends a stream's chunks in one write.
 
 Weight swaps: ``/pause_generation`` (mode abort: requests in flight answer at once with their partial
 output and finish_reason abort, new ones are held until ``/continue_generation``),
@@ -152,6 +153,10 @@ class Fake:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
+            if self.args.one_write:  # the whole stream at once, as a gateway that reads behind an engine sees it
+                events = [self.item(rid, plen, k, i, total, fr, reply) for k in range(1, total + 1) for i in range(n)]
+                await resp.write(b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n")
+                return resp
             for k in range(1, total + 1):
                 for i in range(n):
                     await resp.write(b"data: " + orjson.dumps(self.item(rid, plen, k, i, total, fr, reply)) + b"\n\n")
@@ -305,6 +310,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="v0")
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--stream-delay", type=float, default=0.0)
+    p.add_argument("--one-write", action="store_true", help="send a stream's events in one write")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds per generated token (pausable)")
     p.add_argument("--record", action="store_true", help="keep received requests for GET /debug")
     p.add_argument("--staged", action="store_true",

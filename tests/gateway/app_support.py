@@ -29,6 +29,12 @@ ADD_TOOL = {"type": "function", "function": {
                    "required": ["a", "b"]}}}
 
 
+TOKENS_APART = ("--stream-delay", "0.02")
+"""``start_fake`` arguments that stream a reply's tokens apart, as an engine generates them: tokens that arrive
+together the gateway forwards as one delta, so a stream's grammar is tested with deltas of single tokens (a
+loaded machine may still merge some; ``test_sglang_stream`` checks that tokens apart go out apart)."""
+
+
 def start_fake(tmp_path: Path, *extra: str, tokenizer: Path | None = None, reply: str = REPLY,
                port: int | None = None, cwd: Path | None = None) -> ManagedProcess:
     port = port or free_port()

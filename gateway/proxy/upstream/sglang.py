@@ -210,7 +210,7 @@ class _CumulativeToDelta:
     def __init__(self) -> None:
         self.seen: dict[int, int] = {}
 
-    def delta(self, item: dict[str, Any]) -> StreamEvent:
+    def delta(self, item: dict[str, Any], *, more: bool = False) -> StreamEvent:
         index = int(item.get("index", 0))
         meta = item["meta_info"]
         start = self.seen.get(index, 0)
@@ -223,8 +223,17 @@ class _CumulativeToDelta:
             error=meta["finish_reason"].get("message") if reason == "abort" else None,
         )
         return StreamEvent(
-            choice=choice, prompt_tokens=meta.get("prompt_tokens"), weight_version=meta.get("weight_version")
+            choice=choice, prompt_tokens=meta.get("prompt_tokens"), weight_version=meta.get("weight_version"),
+            more=more,
         )
+
+
+def _holds(later: dict[str, Any], earlier: dict[str, Any]) -> bool:
+    """Whether the cumulative stream event ``later`` holds all that ``earlier`` said: the same choice, not
+    finished before it, the same weight version (tokens of another version are delivered with their own)."""
+    meta, before = later.get("meta_info") or {}, earlier.get("meta_info") or {}
+    return (later.get("index", 0) == earlier.get("index", 0) and before.get("finish_reason") is None
+            and meta.get("weight_version") == before.get("weight_version"))
 
 
 class SGLangUpstream(Upstream):
@@ -394,6 +403,9 @@ class SGLangUpstream(Upstream):
         return status, parsed if isinstance(parsed, dict) else {"message": str(parsed)}
 
     async def _stream_once(self, req: GenerateRequest) -> AsyncIterator[StreamEvent]:
+        """One ``/generate`` stream as deltas. SGLang's events are cumulative: of one choice's events received
+        in one read (the gateway behind the engine) only the last becomes a delta, one delta for their tokens
+        instead of one per token, unless the weight version changed between them (``_holds``)."""
         url = self.base_url + "/generate"
         converter = _CumulativeToDelta()
         finished = False
@@ -408,10 +420,13 @@ class SGLangUpstream(Upstream):
             try:
                 if status >= 400:
                     raise UpstreamRejected(status, error_message(await read_all(read, 1000)))
+                held: dict[str, Any] | None = None
                 async for item, more in sse_events(read):
-                    ev = converter.delta(item)
-                    ev.more = more
-                    yield ev
+                    if held is not None and not _holds(item, held):
+                        yield converter.delta(held, more=True)
+                    held = item if more and req.sampling.n == 1 else None
+                    if held is None:  # else the next event, received with this one, holds it all
+                        yield converter.delta(item, more=more)
                 finished = True
             finally:
                 if not finished:  # consumer went away or the stream broke: stop the generation upstream

@@ -1,9 +1,10 @@
-"""Where the gateway's CPU goes per recorded chat call: py-spy samples the gateway process (every thread, only
-while it runs on a CPU) while the load generator of ``benchmarks.gateway_overhead`` sends chat calls at
+"""Where the gateway's CPU goes per recorded call: py-spy samples the gateway process (every thread, only
+while it runs on a CPU) while the load generator of ``benchmarks.gateway_overhead`` sends calls (chat, or
+the same call through ``--op responses|messages``; ``--stream``: streamed) at
 concurrency 32 to a zero-latency SGLang fake, and the samples are grouped by the stage they were in.
 
     python -m benchmarks.gateway_profile [--durability commit|async|both] [--requests 12000] [--rate 250]
-                                         [--top 4] [--gil] [--stream]
+                                         [--top 4] [--gil] [--stream] [--op chat|responses|messages]
 
 A sample goes to the stage of the innermost project frame on its stack (``gateway/traces``: recording the
 span, store included; ``gateway/proxy/prompt``: rendering and tokenizing the prompt; ``gateway/proxy/upstream``:
@@ -94,7 +95,7 @@ def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Na
     """One gateway in ``mode``: warm up, then the load at c=32 under py-spy; prints its stage table."""
     gw, gport = start_gateway(fport, tok_dir, f"sqlite:///{tmp / f'tg-{mode}.db'}", mode, tmp, f"gw-{mode}", [])
     try:
-        body, path = _bodies("chat", str(tok_dir), False)
+        body, path = _bodies(a.op, str(tok_dir), False)
         if a.stream:
             body = {**body, "stream": True}
         url = f"http://127.0.0.1:{gport}/v1{path}"
@@ -105,7 +106,7 @@ def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Na
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             cpu0, t0 = _cpu_seconds(gw.proc.pid), time.monotonic()
-            load = _run_load(url, body, 32, a.requests, tmp, [])  # the chat call of benchmarks.gateway_overhead
+            load = _run_load(url, body, 32, a.requests, tmp, [])  # the call of benchmarks.gateway_overhead
             cpu_us = 1e6 * (_cpu_seconds(gw.proc.pid) - cpu0) / (a.requests + 200)  # + its 200 warm-up calls
             seconds = time.monotonic() - t0
         finally:
@@ -130,7 +131,7 @@ def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: 
         stage = stage_of(frames)
         stages[stage] += n
         leaves[stage][frames[-1]] += n
-    print(f"\n--durability {mode}{' (streamed calls)' if a.stream else ''}: {load.get('rps', 0):.0f} req/s at c=32, gateway CPU {cpu_us:.0f} µs per call "
+    print(f"\n--durability {mode}, {a.op}{' (streamed calls)' if a.stream else ''}: {load.get('rps', 0):.0f} req/s at c=32, gateway CPU {cpu_us:.0f} µs per call "
           f"(all threads), {total} samples")
     if a.gil:
         print(f"GIL held in {100 * total / (a.rate * seconds):.0f} % of the samples py-spy meant to take "
@@ -151,7 +152,9 @@ def main() -> None:
     p.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil)")
     p.add_argument("--top", type=int, default=4, help="innermost functions listed per stage")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the tiny-random cache)")
-    p.add_argument("--stream", action="store_true", help="streamed chat calls (SSE), as `gateway_overhead --stream`")
+    p.add_argument("--stream", action="store_true", help="streamed calls (SSE), as `gateway_overhead --stream`")
+    p.add_argument("--op", choices=("chat", "responses", "messages"), default="chat",
+                   help="the API called: the same call through Chat Completions, Responses or Messages")
     a = p.parse_args()
     a.spy_args = ["--nonblocking", *(["--gil"] if a.gil else [])]
     if shutil.which("py-spy") is None:

@@ -262,8 +262,8 @@ def run_product(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"tracegym train failed ({proc.returncode}):\n" + (work / "train.log").read_text()[-4000:])
         [metrics] = {m.resolve() for m in work.glob("runs/*/*/metrics.jsonl")}  # runs/<name>/latest links too
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        keys = ("gen_s", "train_s", "swap_s", "swap_save_s", "swap_update_s", "step_s", "tokens", "loss_tokens", "sequences", "padded_tokens",
-                "micro_batches")
+        keys = ("gen_s", "train_s", "swap_s", "swap_save_s", "swap_update_s", "step_s", "tokens", "loss_tokens",
+                "sequences", "padded_tokens", "micro_batches")
         # cpu_s: the trainer process's CPU time in its step (an in-process worker: the whole `tracegym train`
         # process, so it counts as the bare loop's process_time does)
         steps = [{"step": r["step"], **{k: float(r.get(k, 0.0)) for k in keys},

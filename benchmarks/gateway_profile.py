@@ -131,8 +131,9 @@ def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: 
         stage = stage_of(frames)
         stages[stage] += n
         leaves[stage][frames[-1]] += n
-    print(f"\n--durability {mode}, {a.op}{' (streamed calls)' if a.stream else ''}: {load.get('rps', 0):.0f} req/s at c=32, gateway CPU {cpu_us:.0f} µs per call "
-          f"(all threads), {total} samples")
+    streamed = " (streamed calls)" if a.stream else ""
+    print(f"\n--durability {mode}, {a.op}{streamed}: {load.get('rps', 0):.0f} req/s at c=32, gateway CPU "
+          f"{cpu_us:.0f} µs per call (all threads), {total} samples")
     if a.gil:
         print(f"GIL held in {100 * total / (a.rate * seconds):.0f} % of the samples py-spy meant to take "
               f"({a.rate}/s over {seconds:.1f} s)")

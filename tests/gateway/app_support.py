@@ -29,10 +29,10 @@ ADD_TOOL = {"type": "function", "function": {
                    "required": ["a", "b"]}}}
 
 
-TOKENS_APART = ("--stream-delay", "0.02")
-"""``start_fake`` arguments that stream a reply's tokens apart, as an engine generates them: tokens that arrive
-together the gateway forwards as one delta, so a stream's grammar is tested with deltas of single tokens (a
-loaded machine may still merge some; ``test_sglang_stream`` checks that tokens apart go out apart)."""
+TOKENS_APART = ("--stream-delay", "0.05")
+"""``start_fake`` arguments that stream a reply's tokens 50 ms apart, as an engine generates them: tokens that
+arrive together the gateway forwards as one delta, so a test of token-by-token deltas needs them apart (20 ms
+apart merged some under three pytest workers on two cores)."""
 
 
 def start_fake(tmp_path: Path, *extra: str, tokenizer: Path | None = None, reply: str = REPLY,

@@ -15,11 +15,12 @@ class LastChunk(bytes):
 
 
 class SseResponse(StreamingResponse):
-    """``text/event-stream`` from an async iterator of chunks, with two costs of Starlette's streaming
-    response taken out: the end of the body goes out with the last chunk when the iterator marks it
-    (``LastChunk``), and the client's disconnect is watched by one plain task that cancels the stream
-    (Starlette runs an anyio task group for it under ASGI 2.3, as uvicorn is). A disconnect cancels the
-    iterator where it waits, which records the call (``sse_stream``), and ends the response quietly."""
+    """``text/event-stream`` from an async iterator of chunks, with three costs of Starlette's streaming
+    response taken out: the head goes out with the first chunk, the end of the body with the last chunk
+    when the iterator marks it (``LastChunk``), and the client's disconnect is watched by one plain task
+    that cancels the stream (Starlette runs an anyio task group for it under ASGI 2.3, as uvicorn is). A
+    disconnect cancels the iterator where it waits, which records the call (``sse_stream``), and ends the
+    response quietly."""
 
     media_type = "text/event-stream"
 
@@ -28,8 +29,14 @@ class SseResponse(StreamingResponse):
         assert task is not None
         watcher = asyncio.get_running_loop().create_task(cancel_on_disconnect(receive, task))
         try:
+            # the head waits for the first chunk (ready at once in a stream that pulled its first event before
+            # it started; the whole body of a reply received in one read), and both go out in one write
+            first = await anext(aiter(self.body_iterator), None)
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             ended = False
+            if first is not None:
+                ended = type(first) is LastChunk
+                await send({"type": "http.response.body", "body": first, "more_body": not ended})
             async for chunk in self.body_iterator:
                 ended = type(chunk) is LastChunk
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})

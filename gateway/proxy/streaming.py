@@ -399,7 +399,9 @@ async def sse_stream(
     The events made at one moment (the opening and the first upstream event; those of the upstream events
     received in one read, ``StreamEvent.more``; the closing) go out as one body chunk, one socket write: the
     Responses and Messages grammars send several events where chat sends one chunk, and a write per event
-    would cost each call a syscall (and a wake-up of its client) per event.
+    would cost each call a syscall (and a wake-up of its client) per event. Events received with the
+    upstream stream's end go out with the closing: a reply that reaches the gateway in one read (an engine
+    it reads behind, a short reply) is one write after its span is committed, as a call that is not streamed.
 
     The last chunk (the closing events, or the error events) waits until the call's span is committed
     (``call_context.acknowledge``, at most ``commit_timeout_s``); a span the store did not take (in time) ends
@@ -419,8 +421,6 @@ async def sse_stream(
             if held and not ev.more:  # nothing else received with it: out now
                 yield b"".join(held)
                 held = []
-        if held:
-            yield b"".join(held)
         error = None
         last = writer.closing()
         recorded = True
@@ -428,7 +428,7 @@ async def sse_stream(
             await acknowledge(writer.record(None), commit_timeout_s)
         except OpenAIError as e:
             last = writer.error_events(e)
-        yield LastChunk(b"".join(last))
+        yield LastChunk(b"".join(held + last))
     except OpenAIError as e:
         error = e.message
         await _close_events(events)

@@ -129,8 +129,8 @@ class StreamEvent:
     weight_version: str | None = None
     completion_tokens: int | None = None
     more: bool = False
-    """More events were received with this one (``http.sse_events``): a stream writer may hold its output
-    for theirs and send them in one write."""
+    """More events, or the stream's end, were received with this one (``http.sse_events``): a stream writer
+    may hold its output for theirs, or for its closing, and send them in one write."""
 
 
 @dataclass(slots=True)

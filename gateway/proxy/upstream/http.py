@@ -76,10 +76,10 @@ def error_message(text: str) -> str:
 
 async def sse_events(read: Callable[[], Awaitable[bytes]]) -> AsyncIterator[tuple[Any, bool]]:
     """``(payload, more)``: the parsed JSON payloads of ``data:`` lines until ``[DONE]``, each with whether
-    more events arrived in the same read from the socket (they are here already: a stream writer can send
-    them together, one write instead of one per event). ``read`` returns the body's next bytes (``b""`` at
-    its end): aiohttp's ``resp.content.readany`` or ``StreamedBody.read``. An ``{"error": ...}`` event
-    raises."""
+    more events, or the stream's end, arrived in the same read from the socket (they are here already: a
+    stream writer can send them together, one write instead of one per event). ``read`` returns the body's
+    next bytes (``b""`` at its end): aiohttp's ``resp.content.readany`` or ``StreamedBody.read``. An
+    ``{"error": ...}`` event raises."""
     rest = b""
     while True:
         chunk = await read()
@@ -100,10 +100,11 @@ async def sse_events(read: Callable[[], Awaitable[bytes]]) -> AsyncIterator[tupl
             if isinstance(event, dict) and "error" in event and len(event) == 1:
                 raise UpstreamRejected(502, error_message(data.decode(errors="replace")))
             events.append(event)
+        ended = done or not chunk
         last = len(events) - 1
         for i, event in enumerate(events):
-            yield event, i < last
-        if done or not chunk:
+            yield event, ended or i < last
+        if ended:
             return
 
 

@@ -361,6 +361,7 @@ class SGLangUpstream(Upstream):
                 raise upstream_aborted(ch)
             pending.append(j)
             ch.finish_reason = ch.error = None
+            ev.more = False  # its tokens go out now: the continuation waits for the swap
             return ev if ch.output_ids else None
         if ch.finish_reason is not None and j.continuations:
             ch.weight_versions = list(j.spans)
@@ -427,6 +428,8 @@ class SGLangUpstream(Upstream):
                     held = item if more and req.sampling.n == 1 else None
                     if held is None:  # else the next event, received with this one, holds it all
                         yield converter.delta(item, more=more)
+                if held is not None:  # the last event, received with the stream's end
+                    yield converter.delta(held, more=True)
                 finished = True
             finally:
                 if not finished:  # consumer went away or the stream broke: stop the generation upstream

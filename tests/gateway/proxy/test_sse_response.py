@@ -31,6 +31,39 @@ def test_the_last_chunk_ends_the_body() -> None:
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
 
 
+def test_the_head_waits_for_the_first_chunk() -> None:
+    """The head and the first chunk are sent back to back (the server's protocol writes them as one)."""
+    made: list[str] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        await asyncio.sleep(0.01)  # a reply waiting for its commit
+        made.append("first")
+        yield LastChunk(b"data: 1\n\ndata: [DONE]\n\n")
+
+    sent: list[tuple[str, list[str]]] = []
+
+    async def send(message: dict) -> None:
+        sent.append((message["type"], list(made)))
+
+    asyncio.run(SseResponse(chunks())({"type": "http"}, _never_disconnects, send))
+    assert sent == [("http.response.start", ["first"]), ("http.response.body", ["first"])]
+
+
+def test_an_empty_body_still_ends() -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        return
+        yield b""
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(SseResponse(chunks())({"type": "http"}, _never_disconnects, send))
+    assert [(m["type"], m.get("more_body")) for m in sent] == [("http.response.start", None),
+                                                               ("http.response.body", False)]
+
+
 def test_a_body_without_a_last_chunk_still_ends() -> None:
     async def chunks() -> AsyncIterator[bytes]:
         yield b"data: 1\n\n"

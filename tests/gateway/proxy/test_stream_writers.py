@@ -103,5 +103,7 @@ def test_events_of_one_moment_are_one_chunk() -> None:
 def test_events_received_together_are_one_chunk() -> None:
     chunks, _ = _chunks(_Ev("e1", more=True), [_Ev("e2", more=True), _Ev("e3"), _Ev("e4", more=True), _Ev("e5")])
     assert chunks == [b"open1 open2 e1.a e1.b e2.a e2.b e3.a e3.b ", b"e4.a e4.b e5.a e5.b ", b"close1 close2"]
-    chunks, _ = _chunks(_Ev("e1"), [_Ev("e2", more=True)])  # the stream ended right after: still sent first
-    assert chunks == [b"open1 open2 e1.a e1.b ", b"e2.a e2.b ", b"close1 close2"]
+    chunks, _ = _chunks(_Ev("e1"), [_Ev("e2", more=True)])  # received with the stream's end: sent with its end
+    assert chunks == [b"open1 open2 e1.a e1.b ", b"e2.a e2.b close1 close2"]
+    chunks, _ = _chunks(_Ev("e1", more=True), [])  # a whole reply in one read: one chunk, after the commit
+    assert chunks == [b"open1 open2 e1.a e1.b close1 close2"]

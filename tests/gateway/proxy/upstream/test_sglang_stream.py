@@ -4,6 +4,7 @@ into a delta; the client gets the same text, token ids and logprobs in fewer chu
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.gateway.app_support import REPLY, MemoryRecorder, ServerThread, sse_payloads, start_fake
 from tracegym.gateway.app import create_app
+from tracegym.gateway.proxy.upstream.http import sse_events
 from tracegym.gateway.proxy.upstream.sglang import _holds
 from tracegym.gateway.settings import GatewaySettings
 
@@ -22,6 +24,21 @@ Q = [{"role": "user", "content": "What is 2+3?"}]
 def _event(n: int, *, version: str = "v1", finish: dict | None = None, index: int = 0) -> dict:
     return {"index": index, "output_ids": list(range(n)),
             "meta_info": {"weight_version": version, "finish_reason": finish}}
+
+
+def test_events_are_marked_when_more_or_the_end_came_with_them() -> None:
+    reads = [b'data: {"a": 1}\n\ndata: {"a": 2}\n\ndata: {"a"', b': 3}\n\n', b'data: {"a": 4}\n\ndata: [DONE]\n\n']
+
+    async def events(reads: list[bytes]) -> list[tuple[int, bool]]:
+        it = iter(reads)
+
+        async def read() -> bytes:
+            return next(it, b"")
+
+        return [(e["a"], more) async for e, more in sse_events(read)]
+
+    assert asyncio.run(events(reads)) == [(1, True), (2, False), (3, False), (4, True)]
+    assert asyncio.run(events([b'data: {"a": 1}\n\n', b'data: {"a": 2}'])) == [(1, False), (2, True)]  # no [DONE]
 
 
 def test_a_later_event_holds_an_earlier_one_of_the_same_choice_and_version() -> None:

@@ -32,7 +32,8 @@ def tied_parameter_names(model: torch.nn.Module) -> set[str]:
 
 def read_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of the ``*.safetensors`` files in ``path`` (a directory or one file), checked against
-    ``model``: same names (tied copies may be absent), same shapes, cast to the model's dtypes."""
+    ``model``: same names (tied copies may be absent), same shapes, finite; in the file's dtypes
+    (``apply_state`` casts as it copies: no second copy of the weights in the model's dtypes)."""
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
@@ -43,10 +44,11 @@ def read_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, torch
             state.update(load_file(str(f), device="cpu"))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise WeightLoadError(f"cannot read {f}: {e}") from e
-    return validate_state(state, model)
+    return validate_state(state, model, cast=False)
 
 
-def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module, *,
+                   cast: bool = True) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = tied_parameter_names(model)
     missing = sorted(set(params) - set(state) - tied)
@@ -55,7 +57,7 @@ def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> di
         raise WeightLoadError(
             f"checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
-    return checked_tensors(state.items(), params)
+    return checked_tensors(state.items(), params, cast=cast)
 
 
 def finite_sum(t: torch.Tensor) -> bool:
@@ -66,10 +68,10 @@ def finite_sum(t: torch.Tensor) -> bool:
 
 
 def checked_tensors(
-    items: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]
+    items: Iterable[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter], *, cast: bool = True
 ) -> dict[str, torch.Tensor]:
     """Each named tensor against its served parameter (every name must be one): the same shape, finite,
-    cast to the parameter's dtype; ``WeightLoadError`` naming the first that is not."""
+    cast to the parameter's dtype (with ``cast``); ``WeightLoadError`` naming the first that is not."""
     out: dict[str, torch.Tensor] = {}
     for name, t in items:
         target = params[name]
@@ -77,16 +79,17 @@ def checked_tensors(
             raise WeightLoadError(f"{name}: shape {tuple(t.shape)} != served {tuple(target.shape)}")
         if not finite_sum(t):
             raise WeightLoadError(f"{name}: contains NaN or inf")
-        out[name] = t.to(dtype=target.dtype)
+        out[name] = t.to(dtype=target.dtype) if cast else t
     return out
 
 
 @torch.no_grad()
 def apply_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a validated state into ``model`` in place. Every tensor is first moved to its parameter's device
-    and dtype (the step that can fail, e.g. out of device memory) before any parameter is written, so a
-    failure leaves the served weights untouched."""
+    """Copy a validated state into ``model`` in place, casting to each parameter's dtype as it copies. Every
+    tensor on another device is first moved to its parameter's (the step that can fail, e.g. out of device
+    memory) before any parameter is written, so a failure leaves the served weights untouched."""
     params: dict[str, Any] = dict(model.named_parameters(remove_duplicate=False))
-    staged = {name: t.to(device=params[name].device, dtype=params[name].dtype) for name, t in state.items()}
+    staged = {name: t if t.device == params[name].device else t.to(device=params[name].device)
+              for name, t in state.items()}
     for name, t in staged.items():
         params[name].copy_(t)

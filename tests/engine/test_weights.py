@@ -163,3 +163,25 @@ def test_checked_tensors_refuses_nan_inf_and_wrong_shapes(dtype: torch.dtype) ->
             checked_tensors([("w", t)], params)
     with pytest.raises(WeightLoadError, match=r"shape \(4, 3\) != served \(3, 4\)"):
         checked_tensors([("w", good.T)], params)
+
+
+def test_a_checkpoint_is_read_in_its_own_dtype_and_cast_as_it_is_copied(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A bf16 checkpoint for fp32 weights: read as bf16 (no fp32 copy of it is made), each value cast as it is
+    copied into the served parameter, which stays fp32 and in place."""
+    from safetensors.torch import save_file
+
+    from tracegym.engine.weights import apply_state, read_checkpoint, tied_parameter_names
+
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    tied = tied_parameter_names(model)
+    new = {n: (p.detach() + 0.25).to(torch.bfloat16).contiguous() for n, p in model.named_parameters()
+           if n not in tied}
+    save_file(new, str(tmp_path / "model.safetensors"))
+    state = read_checkpoint(tmp_path, model)
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
+    where = {n: p.data_ptr() for n, p in model.named_parameters()}
+    apply_state(model, state)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.data_ptr() == where[n]
+        if n in new:
+            assert torch.equal(p.detach(), new[n].to(torch.float32))

@@ -119,9 +119,26 @@ def bf16_slowdown() -> float:
 
 def load_model(path: str | Path, *, device: str = "cpu", dtype: Any = None) -> Any:
     """A transformers causal LM from ``path`` on ``device`` in ``dtype`` (a torch dtype or its name), in eval
-    mode."""
+    mode, its weights in this process's memory (``own_weights``)."""
     from transformers import AutoModelForCausalLM
 
     torch_dtype = dtype if dtype is not None and not isinstance(dtype, str) else resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
-    return model.to(device).eval()
+    return own_weights(model.to(device)).eval()
+
+
+def own_weights(model: Any) -> Any:
+    """``model`` with every parameter that is a view of a memory-mapped checkpoint copied into this process's
+    memory (tied parameters stay one). transformers maps a ``*.safetensors`` file and, where the file's
+    dtype is the one asked for on the CPU, the parameters are copy-on-write views of that mapping: the first
+    write to each page (a trainer's first optimizer step, an engine's first weight swap) then copies it
+    out of the page cache, one page fault at a time, several times slower than copying the whole file at
+    once; and pages never written stay file pages the kernel may drop and read again. A mapped tensor's
+    storage is not resizable; one this process allocated is."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():  # a tied parameter is one Parameter: copied once, still tied
+            if p.device.type == "cpu" and not p.untyped_storage().resizable():
+                p.data = p.data.clone()
+    return model

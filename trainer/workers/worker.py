@@ -30,7 +30,7 @@ import torch
 
 from tracegym.modelfiles.cpu_memory import keep_freed_memory
 from tracegym.modelfiles.formats import write_weights_dir
-from tracegym.modelfiles.load import cpu_compute_dtype
+from tracegym.modelfiles.load import cpu_compute_dtype, own_weights
 from tracegym.trainer.algorithms.losses import entropy_from_logits, policy_loss
 from tracegym.trainer.algorithms.objectives import distill_advantages, dpo_loss, sequence_logprobs, sft_loss
 from tracegym.trainer.algorithms.optim import build_optimizer, set_lr
@@ -113,7 +113,7 @@ class TrainWorker:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(path or self.model_path), dtype=torch.float32)
-        model.to(self.device)
+        own_weights(model.to(self.device))
         if trainable and self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.train(trainable)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tracegym.engine.own_thread import in_own_thread
 from tracegym.engine.weights import WeightLoadError, checked_tensors
 
 log = logging.getLogger(__name__)
@@ -214,8 +215,8 @@ class DistWeights:
                 raise ValueError(f"not in weight-update group {bucket.group_name!r}: "
                                  "call /init_weights_update_group first")
             async with self.lock:
-                tensors = await asyncio.to_thread(self._receive, bucket)
-            return check_bucket(self.model, bucket.names, tensors)
+                tensors = await in_own_thread(self._receive, bucket)
+            return await in_own_thread(check_bucket, self.model, bucket.names, tensors)
         except Exception as e:
             if self.session is not None and self.session.failed is None:
                 self.session.failed = str(e)

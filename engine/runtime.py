@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from tracegym.engine.adapters import EngineLora, read_adapter
 from tracegym.engine.dist_weights import Bucket, DistWeights
+from tracegym.engine.own_thread import in_own_thread
 from tracegym.engine.protocol import GenerateOptions, RequestSpec
 from tracegym.engine.request import GenRequest, Snapshot
 from tracegym.engine.sampling import make_generator
@@ -103,11 +104,12 @@ class Engine:
         self.scheduler.stop()
 
     async def load_weights(self, path: str, version: str | None, abort_all: bool) -> int:
-        """SGLang's ``/update_weights_from_disk``: read and check the checkpoint off the event loop, then
-        have the model thread swap it in (see ``Scheduler.update_weights``); one update at a time.
-        Returns the number of requests aborted for it; raises (old weights kept) if it cannot load."""
+        """SGLang's ``/update_weights_from_disk``: read and check the checkpoint off the event loop (in a thread
+        of its own: ``own_thread``), then have the model thread swap it in (see ``Scheduler.update_weights``);
+        one update at a time. Returns the number of requests aborted for it; raises (old weights kept) if it
+        cannot load."""
         async with self.weight_lock:
-            state = await asyncio.to_thread(read_checkpoint, path, self.model)
+            state = await in_own_thread(read_checkpoint, path, self.model)
             aborted = await asyncio.wrap_future(self.scheduler.update_weights(state, version, abort_all))
             self.model_path = path
         return aborted
@@ -144,7 +146,7 @@ class Engine:
     async def load_lora(self, name: str, path: str) -> None:
         """SGLang's ``/load_lora_adapter``: read and check off the event loop, register on the model
         thread; raises ``AdapterLoadError`` (nothing changed) if this model cannot serve it."""
-        adapter = await asyncio.to_thread(read_adapter, name, path, self.model, self.lora.dtype)
+        adapter = await in_own_thread(read_adapter, name, path, self.model, self.lora.dtype)
         await asyncio.wrap_future(self.scheduler.call(lambda: self.lora.add(adapter)))
 
     async def unload_lora(self, name: str) -> None:

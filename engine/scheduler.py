@@ -222,6 +222,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         err = RuntimeError("the engine stopped")
+        # OpenMP's thread count is each thread's own: this thread's as set for the process (set_torch_threads)
+        torch.set_num_threads(torch.get_num_threads())
         try:
             with torch.inference_mode():
                 self._serve()

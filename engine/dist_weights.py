@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from tracegym.engine.own_thread import in_own_thread
 from tracegym.engine.weights import WeightLoadError, checked_tensors
+from tracegym.modelfiles.cpu_threads import in_own_thread
 
 log = logging.getLogger(__name__)
 

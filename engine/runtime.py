@@ -16,13 +16,13 @@ from tokenizers import Tokenizer
 
 from tracegym.engine.adapters import EngineLora, read_adapter
 from tracegym.engine.dist_weights import Bucket, DistWeights
-from tracegym.engine.own_thread import in_own_thread
 from tracegym.engine.protocol import GenerateOptions, RequestSpec
 from tracegym.engine.request import GenRequest, Snapshot
 from tracegym.engine.sampling import make_generator
 from tracegym.engine.scheduler import Scheduler
 from tracegym.engine.weights import read_checkpoint
 from tracegym.modelfiles.cpu_memory import keep_freed_memory
+from tracegym.modelfiles.cpu_threads import in_own_thread
 from tracegym.modelfiles.load import cpu_compute_dtype, default_device, load_model, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Engine:
 
     async def load_weights(self, path: str, version: str | None, abort_all: bool) -> int:
         """SGLang's ``/update_weights_from_disk``: read and check the checkpoint off the event loop (in a thread
-        of its own: ``own_thread``), then have the model thread swap it in (see ``Scheduler.update_weights``);
+        of its own: ``modelfiles.cpu_threads``), then have the model thread swap it in (see ``Scheduler.update_weights``);
         one update at a time. Returns the number of requests aborted for it; raises (old weights kept) if it
         cannot load."""
         async with self.weight_lock:

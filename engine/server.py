@@ -14,16 +14,16 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tracegym.engine.endpoints import router
-from tracegym.engine.own_thread import in_own_thread
 from tracegym.engine.runtime import Engine, EngineConfig, set_torch_threads
 from tracegym.http_rules import LOOPBACK_HOSTS, host_allowed, json_body_refused
+from tracegym.modelfiles.cpu_threads import in_own_thread
 
 log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI, config: EngineConfig) -> AsyncIterator[None]:
-    """Load the model (in a thread of its own: ``own_thread``) and start the model thread; stop it (failing
+    """Load the model (in a thread of its own: ``modelfiles.cpu_threads``) and start the model thread; stop it (failing
     whatever is left) on shutdown."""
     engine = await in_own_thread(Engine, config)
     engine.start()

@@ -1,4 +1,4 @@
-"""``own_thread.in_own_thread``: the work runs off the event loop's thread, in a thread that has ended by the
+"""``cpu_threads.in_own_thread``: the work runs off the event loop's thread, in a thread that has ended by the
 time its result arrives (so the OpenMP pool torch gave it has ended too), and its exceptions reach the caller."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tracegym.engine.own_thread import in_own_thread
+from tracegym.modelfiles.cpu_threads import in_own_thread
 
 
 def test_the_work_runs_in_a_thread_that_ends_and_its_errors_reach_the_caller() -> None:

@@ -1,13 +1,14 @@
-"""The engine's torch work besides the model thread's runs in threads that end with it (``in_own_thread``).
+"""Torch work besides a process's one compute thread runs in threads that end with it (``in_own_thread``).
 
 On the CPU torch computes in OpenMP parallel regions, and GNU OpenMP (the runtime torch's wheels ship) keeps a
 pool of worker threads for every thread that has run one. Once the process holds more of those threads than it
-has CPUs, OpenMP throttles their waiting: a worker no longer spins between regions but sleeps, and each of the
-model thread's small regions (a decode step is hundreds of small matrix products) waits for its workers to be
-woken. Measured on 2 vCPUs, a decode step of SmolLM2 over 32 rows took 103 ms with a second pool in the
-process (the model loaded on another thread) and 68 ms without. A pool ends with its thread, so the model is
-loaded, and checkpoints, adapters and weight buckets are read and checked, in threads that end once done:
-never on the event loop's thread, nor in the default executor's threads, which live on."""
+has CPUs, OpenMP throttles their waiting: a worker no longer spins between regions but sleeps, and each small
+region (a decode step or a training step of a small model is hundreds of small matrix products) waits for its
+workers to be woken. Measured on 2 vCPUs, the engine's decode step of SmolLM2 over 32 rows took 103 ms with a
+second pool in the process (the model loaded on another thread that lived on) and 68 ms without. A pool ends with
+its thread, so the engine loads its model, and reads and checks checkpoints, adapters and weight buckets, and the
+training service runs its workers' calls, in threads that end once done: never on the event loop's thread, nor
+in the default executor's threads, which live on."""
 
 from __future__ import annotations
 
@@ -40,5 +41,5 @@ async def in_own_thread(fn: Callable[..., T], *args: Any) -> T:
         else:
             loop.call_soon_threadsafe(settle, result, None)
 
-    threading.Thread(target=run, name=f"engine-{getattr(fn, '__name__', 'work')}", daemon=True).start()
+    threading.Thread(target=run, name=f"torch-{getattr(fn, '__name__', 'work')}", daemon=True).start()
     return await done

@@ -11,8 +11,7 @@ ms apart, and the first, prefilled at once, would run a forward of its own while
 Control operations (abort, pause, continue, weight update) are commands run by this thread between two
 steps, so the model is never modified under a running forward pass. A weight update on an unpaused
 server behaves like SGLang's writer lock: requests submitted before it finish first, later ones wait for
-the swap; on a paused server it runs at once.
-"""
+the swap; on a paused server it runs at once."""
 
 from __future__ import annotations
 
@@ -221,15 +220,14 @@ class Scheduler:
         )
 
     def _loop(self) -> None:
+        torch.set_num_threads(torch.get_num_threads())  # OpenMP's count is per thread: the process's here too
         err = RuntimeError("the engine stopped")
-        # OpenMP's thread count is each thread's own: this thread's as set for the process (set_torch_threads)
-        torch.set_num_threads(torch.get_num_threads())
         try:
             with torch.inference_mode():
                 self._serve()
         except BaseException as e:
-            # Not expected (steps and swaps handle their own errors), but whatever ends this thread must
-            # not leave callers waiting for requests or commands nobody will serve.
+            # Not expected (steps and swaps handle their own errors); whatever ends this thread must not
+            # leave callers waiting for requests or commands nobody will serve.
             log.exception("the engine's model thread died")
             err = RuntimeError(f"the engine's model thread died: {e!r}")
         with self._cv:

@@ -24,7 +24,6 @@ from typing import Any
 
 import httpx
 
-from tracegym.modelfiles.cpu_threads import in_own_thread
 from tracegym.procs import ManagedProcess, free_ports, spawn_process, wait_ready
 from tracegym.trainer.service.futures import UserFault
 from tracegym.trainer.service.runs import Run
@@ -95,7 +94,7 @@ class Inference:
         version = str(next(self._versions))
         sync = self.sync_for(run)
         out = sync.version_dir(version)
-        files = await in_own_thread(sync.save, run.group, out)
+        files = await asyncio.to_thread(sync.save, run.group, out)
         self.published[version] = Published(version, run, files, out)
         self._order.append(version)
         run.published.append(version)

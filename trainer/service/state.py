@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tracegym.modelfiles.cpu_threads import in_own_thread
 from tracegym.trainer.service import steps
 from tracegym.trainer.service.futures import FutureStore, UserFault
 from tracegym.trainer.service.inference import BASE
@@ -121,7 +120,7 @@ class ServiceState:
         async with self._placing:
             if self.cfg.ray is not None:
                 await asyncio.to_thread(check_room, self.cfg.num_workers, self.cfg.ray)
-            group = await in_own_thread(self._worker_group, model.model_dir, rank, lora)
+            group = await asyncio.to_thread(self._worker_group, model.model_dir, rank, lora)
         try:
             facts = (await on_workers(group.run_on_ranks, steps.model_facts))[0]
         except BaseException:
@@ -252,11 +251,10 @@ class ServiceState:
 
 
 async def on_workers(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` (a call of a run's ``WorkerGroup``) in a thread that ends with it (an in-process worker
-    computes there: ``modelfiles.cpu_threads``); what a rank raised is raised as the rank raised it, on Ray as
-    in-process (``ray_workers.rank_error``)."""
+    """``fn(*args)`` (a call of a run's ``WorkerGroup``) in a thread; what a rank raised is raised as the
+    rank raised it, on Ray as in-process (``ray_workers.rank_error``)."""
     try:
-        return await in_own_thread(fn, *args)
+        return await asyncio.to_thread(fn, *args)
     except Exception as e:
         cause = rank_error(e)
         if cause is e:

@@ -113,7 +113,9 @@ class TrainWorker:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(path or self.model_path), dtype=torch.float32)
-        own_weights(model.to(self.device))
+        model.to(self.device)
+        if trainable and self.cfg.lora is None:  # weights the optimizer writes (a frozen model keeps the mapped file)
+            own_weights(model)
         if trainable and self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.train(trainable)

@@ -104,10 +104,10 @@ class Engine:
         self.scheduler.stop()
 
     async def load_weights(self, path: str, version: str | None, abort_all: bool) -> int:
-        """SGLang's ``/update_weights_from_disk``: read and check the checkpoint off the event loop (in a thread
-        of its own: ``modelfiles.cpu_threads``), then have the model thread swap it in (see ``Scheduler.update_weights``);
-        one update at a time. Returns the number of requests aborted for it; raises (old weights kept) if it
-        cannot load."""
+        """SGLang's ``/update_weights_from_disk``: read and check the checkpoint off the event loop (in a
+        thread of its own: ``modelfiles.cpu_threads``), then have the model thread swap it in (see
+        ``Scheduler.update_weights``); one update at a time. Returns the number of requests aborted for it;
+        raises (old weights kept) if it cannot load."""
         async with self.weight_lock:
             state = await in_own_thread(read_checkpoint, path, self.model)
             aborted = await asyncio.wrap_future(self.scheduler.update_weights(state, version, abort_all))

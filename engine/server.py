@@ -23,8 +23,8 @@ log = logging.getLogger(__name__)
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI, config: EngineConfig) -> AsyncIterator[None]:
-    """Load the model (in a thread of its own: ``modelfiles.cpu_threads``) and start the model thread; stop it (failing
-    whatever is left) on shutdown."""
+    """Load the model (in a thread of its own: ``modelfiles.cpu_threads``) and start the model thread; stop
+    it (failing whatever is left) on shutdown."""
     engine = await in_own_thread(Engine, config)
     engine.start()
     app.state.engine = engine

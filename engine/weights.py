@@ -44,11 +44,11 @@ def read_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, torch
             state.update(load_file(str(f), device="cpu"))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise WeightLoadError(f"cannot read {f}: {e}") from e
-    return validate_state(state, model, cast=False)
+    return validate_state(state, model)
 
 
-def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module, *,
-                   cast: bool = True) -> dict[str, torch.Tensor]:
+def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` checked against ``model`` (``read_checkpoint``), each tensor in its own dtype."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = tied_parameter_names(model)
     missing = sorted(set(params) - set(state) - tied)
@@ -57,7 +57,7 @@ def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module, *,
         raise WeightLoadError(
             f"checkpoint does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
-    return checked_tensors(state.items(), params, cast=cast)
+    return checked_tensors(state.items(), params, cast=False)
 
 
 def finite_sum(t: torch.Tensor) -> bool:

@@ -5,11 +5,10 @@ pool of worker threads for every thread that has run one. Once the process holds
 has CPUs, OpenMP throttles their waiting: a worker no longer spins between regions but sleeps, and each small
 region (a decode step or a training step of a small model is hundreds of small matrix products) waits for its
 workers to be woken. Measured on 2 vCPUs, the engine's decode step of SmolLM2 over 32 rows took 103 ms with a
-second pool in the process (the model loaded on another thread that lived on) and 68 ms without. A pool ends with
-its thread, so the engine loads its model, and reads and checks checkpoints, adapters and weight buckets, in
-threads that end once done: never on the event loop's thread, nor in the default executor's threads, which live
-on. (A thread per call suits such occasional work, not a stream of training steps: a process that ran each
-training call in a new thread grew past 20 GB.)"""
+second pool in the process (the model loaded on another thread that lived on) and 68 ms without. A pool ends
+with its thread, so the engine loads its model, and reads and checks checkpoints, adapters and weight buckets,
+in threads that end once done: never on the event loop's thread, nor in the default executor's threads, which
+live on. A thread per call suits such occasional work; it is not meant for a stream of calls."""
 
 from __future__ import annotations
 

@@ -133,9 +133,9 @@ def own_weights(model: Any) -> Any:
     dtype is the one asked for on the CPU, the parameters are copy-on-write views of that mapping: the first
     write to each page (a trainer's first optimizer step, an engine's first weight swap) then copies it
     out of the page cache, one page fault at a time, several times slower than copying the whole file at
-    once; and pages never written stay file pages the kernel may drop and read again. (A model that is never
-    written, such as LoRA's frozen base, is better left mapped: its pages are shared with every process that maps
-    the file.) A mapped tensor's storage is not resizable; one this process allocated is."""
+    once; and pages never written stay file pages the kernel may drop and read again. (A model that is
+    never written, such as LoRA's frozen base, is better left mapped: its pages are shared with every process
+    that maps the file.) A mapped tensor's storage is not resizable; one this process allocated is."""
     import torch
 
     with torch.no_grad():

@@ -114,7 +114,7 @@ class TrainWorker:
 
         model = AutoModelForCausalLM.from_pretrained(str(path or self.model_path), dtype=torch.float32)
         model.to(self.device)
-        if trainable and self.cfg.lora is None:  # weights the optimizer writes (a frozen model keeps the mapped file)
+        if trainable and self.cfg.lora is None:  # weights the optimizer writes; a frozen model stays mapped
             own_weights(model)
         if trainable and self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +41,60 @@ def model_fingerprint(model_dir: Path) -> str:
     return base_fingerprint(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
-def write_weights_dir(tensors: dict[str, Any], model_dir: Path, out_dir: Path) -> Path:
-    """``out_dir`` = ``tensors`` as ``model.safetensors`` + the non-weight files of ``model_dir`` (an
-    existing ``out_dir`` is replaced)."""
-    from safetensors.torch import save_file
+SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+                      "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+"""torch dtype name → the safetensors format's dtype code."""
 
+
+def write_safetensors(tensors: Mapping[str, Any], path: Path, *, metadata: dict[str, str] | None = None,
+                      reuse: Path | None = None) -> Path:
+    """``tensors`` (torch, on the CPU) as one safetensors file at ``path``, each tensor's bytes written
+    straight from its memory. ``reuse``: a file that may be overwritten instead of writing a new one (an
+    older version's weights, no longer read by anyone): when it has exactly the size this file needs it is
+    renamed to ``path`` and written in place, so the kernel copies into pages it already holds rather than
+    allocating (and on a VM perhaps faulting in from the host) a fresh page for every 4 KiB of a new file.
+    Otherwise it is left as it is. Tensors are laid out by element size, largest first (each aligned)."""
+    import torch
+
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors files are little-endian; this machine is not")
+    names = sorted(tensors, key=lambda n: -tensors[n].element_size())  # stable: same size keeps its order
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in names:
+        t = tensors[name]
+        code = SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+        if code is None:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code here")
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: tensor on {t.device}, expected the CPU")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header with spaces to 8 bytes
+    total = 8 + len(head) + offset
+    path = Path(path)
+    in_place = reuse is not None and Path(reuse).is_file() and Path(reuse).stat().st_size == total
+    if in_place:
+        os.replace(reuse, path)  # type: ignore[arg-type]
+    with open(path, "r+b" if in_place else "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for name in names:
+            t = tensors[name]
+            if t.numel():
+                f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return path
+
+
+def write_weights_dir(tensors: dict[str, Any], model_dir: Path, out_dir: Path, reuse: Path | None = None) -> Path:
+    """``out_dir`` = ``tensors`` as ``model.safetensors`` + the non-weight files of ``model_dir`` (an
+    existing ``out_dir`` is replaced). ``reuse``: an older weights file to overwrite in place where it fits
+    (``write_safetensors``)."""
     with writing_folder(out_dir) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        write_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"}, reuse=reuse)
         for f in Path(model_dir).iterdir():
             if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
                 shutil.copy2(f, tmp / f.name)

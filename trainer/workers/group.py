@@ -138,9 +138,10 @@ class WorkerGroup:
                 for rank_plan in plan]
         return self._call_all("train_step", args)
 
-    def save_weights(self, out_dir: Path, dtype: str | None = None) -> Path:
-        """Gathered full weights → ``out_dir`` (safetensors + config + tokenizer files), written atomically."""
-        paths = self._same("save_weights", str(out_dir), dtype)
+    def save_weights(self, out_dir: Path, dtype: str | None = None, reuse: Path | None = None) -> Path:
+        """Gathered full weights → ``out_dir`` (safetensors + config + tokenizer files), written atomically;
+        ``reuse``: an older weights file to overwrite in place where it fits (``formats.write_safetensors``)."""
+        paths = self._same("save_weights", str(out_dir), dtype, str(reuse) if reuse else None)
         return Path(paths[0])
 
     def save_adapters(self, out_root: Path, dtype: str | None = None) -> dict[str, Path]:

@@ -266,14 +266,15 @@ class TrainWorker:
 
     # ---------------------------------------------------------------- weights, checksums, checkpoints
 
-    def save_weights(self, out_dir: str, dtype: str | None) -> str | None:
-        """Gather the full weights (collective) and, on rank 0, write a loadable model directory."""
+    def save_weights(self, out_dir: str, dtype: str | None, reuse: str | None = None) -> str | None:
+        """Gather the full weights (collective) and, on rank 0, write a loadable model directory (``reuse``:
+        an older weights file to overwrite in place where it fits, ``formats.write_safetensors``)."""
         params = self.rank0_full_params()
         if params is None:
             return None
         to = getattr(torch, dtype) if dtype else None
         tensors = {k: (v.to(to) if to is not None else v) for k, v in params}
-        return str(write_weights_dir(tensors, self.model_path, Path(out_dir)))
+        return str(write_weights_dir(tensors, self.model_path, Path(out_dir), Path(reuse) if reuse else None))
 
     def save_adapters(self, out_root: str, dtype: str | None) -> dict[str, str] | None:
         """LoRA: every adapter as a PEFT directory under ``out_root`` (collective; ``lora.save_adapters``)."""

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.gateway.app_support import ServerThread
 from tests.procs import ManagedProcess, free_port, start_process
@@ -55,17 +56,16 @@ class PerturbedGroup:
     """What ``DiskWeightSync`` needs of a ``WorkerGroup``: tiny-random's weights, shifted per save."""
 
     def __init__(self, model_dir: Path) -> None:
-        from safetensors.torch import load_file
-
         self.model_dir = model_dir
         self.base = load_file(str(model_dir / "model.safetensors"))
         self.saves = 0
 
-    def save_weights(self, out_dir: Path, dtype: str | None = None) -> Path:
+    def save_weights(self, out_dir: Path, dtype: str | None = None, reuse: Path | None = None) -> Path:
         self.saves += 1
         gen = torch.Generator().manual_seed(self.saves)
         tensors = {n: t + 0.05 * torch.randn(t.shape, generator=gen, dtype=t.dtype) for n, t in self.base.items()}
-        return write_weights_dir(tensors, self.model_dir, out_dir)
+        self.last = tensors
+        return write_weights_dir(tensors, self.model_dir, out_dir, reuse)
 
 
 def _logprobs(engine: ManagedProcess) -> tuple[list[float], str]:
@@ -85,24 +85,34 @@ def test_disk_push_through_the_gateway_into_a_real_engine(engine_gateway, tiny_m
     before, _ = _logprobs(engine)
     sync = DiskWeightSync(gw.url, tmp_path / "weights", keep=2)
     group = PerturbedGroup(tiny_model_dir)
-    results = [sync.push(group, v) for v in (1, 2, 3)]
+    root = tmp_path / "weights"
+    results = [sync.push(group, 1)]
+    v1_file = (root / "v1" / "model.safetensors").stat().st_ino
+    results += [sync.push(group, v) for v in (2, 3)]
+    assert (root / ".spare.safetensors").stat().st_ino == v1_file  # v1 pruned, its weights file kept aside
+    results.append(sync.push(group, 4))
     status = httpx.get(gw.url + "/api/weights").json()
-    assert status["weight_version"] == "3"
-    assert status["last_swap"]["kind"] == "disk" and status["last_swap"]["model_path"] == str(tmp_path / "weights" / "v3")
+    assert status["weight_version"] == "4"
+    assert status["last_swap"]["kind"] == "disk" and status["last_swap"]["model_path"] == str(root / "v4")
     after, version = _logprobs(engine)
-    assert version == "3" and after != before
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2", "v3"]
+    assert version == "4" and after != before
+    # v4 was written into v1's file in place, and holds exactly v4's weights
+    assert (root / "v4" / "model.safetensors").stat().st_ino == v1_file
+    served = load_file(root / "v4" / "model.safetensors")
+    assert all(torch.equal(served[n], t) for n, t in group.last.items())
+    assert sorted(p.name for p in root.iterdir()) == [".spare.safetensors", "v3", "v4"]
     r = results[-1]
-    assert r.version == "3" and r.path == tmp_path / "weights" / "v3"
+    assert r.version == "4" and r.path == root / "v4"
     assert r.total_s >= r.save_s + r.update_s - 1e-6 and r.update_s > 0
     with pytest.raises(ValueError, match="must match"):
         sync.version_dir("../x")
     sync.close()
+    assert not (root / ".spare.safetensors").exists()
     # a restarted trainer (resume) counts the directories already there
-    again = DiskWeightSync(gw.url, tmp_path / "weights", keep=2)
-    again.push(group, 4)
+    again = DiskWeightSync(gw.url, root, keep=2)
+    again.push(group, 5)
     again.close()
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v3", "v4"]
+    assert sorted(p.name for p in root.iterdir()) == ["v4", "v5"]
 
 
 def test_a_refused_disk_push_raises_and_the_engine_keeps_its_weights(engine_gateway, tiny_model_dir: Path,
@@ -111,7 +121,7 @@ def test_a_refused_disk_push_raises_and_the_engine_keeps_its_weights(engine_gate
     before = _logprobs(engine)
 
     class CorruptGroup:
-        def save_weights(self, out_dir: Path, dtype: str | None = None) -> Path:
+        def save_weights(self, out_dir: Path, dtype: str | None = None, reuse: Path | None = None) -> Path:
             out_dir.mkdir(parents=True)
             (out_dir / "config.json").write_text((tiny_model_dir / "config.json").read_text())
             (out_dir / "model.safetensors").write_bytes(b"not a safetensors file")

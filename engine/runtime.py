@@ -20,7 +20,7 @@ from tracegym.engine.protocol import GenerateOptions, RequestSpec
 from tracegym.engine.request import GenRequest, Snapshot
 from tracegym.engine.sampling import make_generator
 from tracegym.engine.scheduler import Scheduler
-from tracegym.engine.weights import StagingBuffer, read_checkpoint
+from tracegym.engine.weights import read_checkpoint
 from tracegym.modelfiles.cpu_memory import keep_freed_memory
 from tracegym.modelfiles.cpu_threads import in_own_thread
 from tracegym.modelfiles.load import cpu_compute_dtype, default_device, load_model, resolve_dtype
@@ -89,7 +89,6 @@ class Engine:
             autocast_dtype=dtype if cpu_autocast else None,
         )
         self.weight_lock = asyncio.Lock()
-        self.staging = StagingBuffer()  # checkpoints are read into it (under weight_lock: one at a time)
         self.dist = DistWeights(self.model, self.device)
         self.lora = EngineLora(self.model, dtype)  # adapters in the compute dtype (autocast's on CPU)
         self.scheduler.row_hook = lambda reqs: self.lora.set_rows([r.adapter for r in reqs])
@@ -110,7 +109,7 @@ class Engine:
         ``Scheduler.update_weights``); one update at a time. Returns the number of requests aborted for it;
         raises (old weights kept) if it cannot load."""
         async with self.weight_lock:
-            state = await in_own_thread(read_checkpoint, path, self.model, self.staging)
+            state = await in_own_thread(read_checkpoint, path, self.model)
             aborted = await asyncio.wrap_future(self.scheduler.update_weights(state, version, abort_all))
             self.model_path = path
         return aborted

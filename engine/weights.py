@@ -3,7 +3,6 @@ bad checkpoint leaves the old weights in place (SGLang's rollback semantics)."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -12,10 +11,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-
-from tracegym.modelfiles.formats import SAFETENSORS_DTYPES
-
-TORCH_DTYPES = {code: getattr(torch, name) for name, code in SAFETENSORS_DTYPES.items() if hasattr(torch, name)}
 
 
 class WeightLoadError(ValueError):
@@ -35,85 +30,21 @@ def tied_parameter_names(model: torch.nn.Module) -> set[str]:
     return tied
 
 
-class StagingBuffer:
-    """The memory checkpoints are read into, kept from one weight update to the next (the engine's, one
-    update at a time): a fresh allocation per update faulted in every page of it again, a quarter of a
-    second for SmolLM2 on a 2-vCPU VM, where reading into memory the process holds is a plain copy."""
-
-    def __init__(self) -> None:
-        self._data: torch.Tensor | None = None
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of it (grown when too small); valid until the next ``take``."""
-        if self._data is None or self._data.numel() < nbytes:
-            self._data = None  # the old one goes before the new one is allocated
-            self._data = torch.empty(nbytes, dtype=torch.uint8)
-        return self._data[:nbytes]
-
-
-def read_checkpoint(path: str | Path, model: torch.nn.Module,
-                    staging: StagingBuffer | None = None) -> dict[str, torch.Tensor]:
+def read_checkpoint(path: str | Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of the ``*.safetensors`` files in ``path`` (a directory or one file), checked against
     ``model``: same names (tied copies may be absent), same shapes, finite; in the file's dtypes
-    (``apply_state`` casts as it copies: no second copy of the weights in the model's dtypes). With
-    ``staging`` the files are read into it and the tensors are views of it, valid until its next use."""
+    (``apply_state`` casts as it copies: no second copy of the weights in the model's dtypes)."""
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise WeightLoadError(f"no safetensors checkpoint at {path}")
     state: dict[str, torch.Tensor] = {}
-    sizes = [f.stat().st_size for f in files]
-    buffer = staging.take(sum(sizes)) if staging is not None else None
-    offset = 0
-    for f, size in zip(files, sizes, strict=True):
+    for f in files:
         try:
-            if buffer is None:
-                state.update(load_file(str(f), device="cpu"))
-            else:
-                state.update(read_into(f, buffer[offset:offset + size]))
-                offset += size
+            state.update(load_file(str(f), device="cpu"))
         except (SafetensorError, OSError, RuntimeError) as e:
             raise WeightLoadError(f"cannot read {f}: {e}") from e
     return validate_state(state, model)
-
-
-def read_into(f: Path, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The safetensors file ``f`` read whole into ``buffer`` (uint8, exactly its size); its tensors as views
-    of it (a tensor whose bytes are not aligned to its element size is copied out)."""
-    with open(f, "rb") as fh:
-        view, done = memoryview(buffer.numpy()), 0
-        while done < len(view):
-            n = fh.readinto(view[done:])
-            if not n:
-                raise WeightLoadError(f"{f}: shorter than its {len(view)} bytes (written while read?)")
-            done += n
-    size = len(view)
-    n = int.from_bytes(bytes(view[:8]), "little") if size >= 8 else -1
-    if not 0 < n <= size - 8:
-        raise WeightLoadError(f"{f}: not a safetensors file (header of {n} bytes in a file of {size})")
-    try:
-        header = json.loads(bytes(view[8:8 + n]))
-    except ValueError as e:
-        raise WeightLoadError(f"{f}: not a safetensors file (header: {e})") from e
-    if not isinstance(header, dict):
-        raise WeightLoadError(f"{f}: not a safetensors file (its header is not an object)")
-    base, out = 8 + n, {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = TORCH_DTYPES[spec["dtype"]], [int(d) for d in spec["shape"]], \
-                spec["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise WeightLoadError(f"{f}: tensor {name!r}: unreadable entry {spec!r} ({e!r})") from e
-        nbytes = math.prod(shape) * dtype.itemsize
-        if not (0 <= start <= end <= size - base and end - start == nbytes):
-            raise WeightLoadError(f"{f}: tensor {name!r}: bytes {start}..{end} do not hold {shape} {dtype}")
-        raw = buffer[base + start:base + end]
-        if (base + start) % dtype.itemsize:
-            raw = raw.clone()
-        out[name] = raw.view(dtype).reshape(shape)
-    return out
 
 
 def validate_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -138,7 +69,7 @@ def finite_sum(t: torch.Tensor) -> bool:
     also when finite values are so large that their sum overflows, which no trained weight holds). A
     reduction per chunk of ``FINITE_CHUNK`` elements: cheaper than ``isfinite(t).all()``, which makes a
     boolean copy of the tensor first, and than one reduction over a whole bf16 tensor, whose fp32 working
-    copy is fresh memory at every update (a quarter of a second of page faults for SmolLM2 on a VM)."""
+    copy is fresh memory at every update (most of a quarter of a second of page faults for SmolLM2 on a VM)."""
     flat = t.reshape(-1)
     return all(math.isfinite(c.sum(dtype=torch.float32)) for c in flat.split(FINITE_CHUNK))
 

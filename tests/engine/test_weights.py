@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tests.procs import free_port, start_process
-from tracegym.engine.weights import WeightLoadError
 from tracegym.modelfiles.load import load_model
 
 PROMPT = [1, 4093, 28, 2, 1, 1032, 34]
@@ -148,7 +147,7 @@ def test_update_on_a_paused_server_runs_at_once(client: httpx.Client, tiny_model
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_checked_tensors_refuses_nan_inf_and_wrong_shapes(dtype: torch.dtype) -> None:
-    from tracegym.engine.weights import checked_tensors
+    from tracegym.engine.weights import WeightLoadError, checked_tensors
 
     params = {"w": torch.nn.Parameter(torch.zeros(3, 4, dtype=dtype))}
     good = torch.randn(3, 4)
@@ -186,56 +185,6 @@ def test_a_checkpoint_is_read_in_its_own_dtype_and_cast_as_it_is_copied(tiny_mod
         assert p.dtype == torch.float32 and p.data_ptr() == where[n]
         if n in new:
             assert torch.equal(p.detach(), new[n].to(torch.float32))
-
-
-def test_a_checkpoint_read_into_the_staging_buffer_is_the_file(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Read into memory kept between updates: the same tensors safetensors reads, views of that memory
-    (the next read reuses it), and a file that is not safetensors refused as before."""
-    from safetensors.torch import load_file, save_file
-
-    from tracegym.engine.weights import StagingBuffer, read_checkpoint, tied_parameter_names
-
-    model = load_model(tiny_model_dir, dtype=torch.float32)
-    tied = tied_parameter_names(model)
-    staging = StagingBuffer()
-    seen = []
-    for shift, dtype in ((0.5, torch.bfloat16), (-0.25, torch.float32)):
-        new = {n: (p.detach() + shift).to(dtype).contiguous() for n, p in model.named_parameters() if n not in tied}
-        (tmp_path / f"{dtype}").mkdir()
-        save_file(new, str(tmp_path / f"{dtype}" / "model.safetensors"))
-        state = read_checkpoint(tmp_path / f"{dtype}", model, staging)
-        want = load_file(tmp_path / f"{dtype}" / "model.safetensors")
-        assert set(state) == set(want) and all(torch.equal(state[n], want[n]) for n in want)
-        assert all(state[n].dtype == dtype for n in state)
-        seen.append(staging.take(0).data_ptr())
-    assert seen[0] == seen[1]  # the second read went into the same memory (it is the larger: it grew once)
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for content, match in ((b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage", "header"),
-                           (b"\xff" * 8 + b"{}", "header of"), (b"abc", "header of")):
-        (bad / "model.safetensors").write_bytes(content)
-        with pytest.raises(WeightLoadError, match=match):
-            read_checkpoint(bad, model, staging)
-
-
-def test_a_tensor_whose_bytes_are_not_aligned_is_copied_out(tmp_path: Path) -> None:
-    import json
-
-    from tracegym.engine.weights import read_into
-
-    floats = torch.tensor([1.5, -2.0], dtype=torch.float32)
-    header = json.dumps({"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
-                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]}}).encode()
-    header += b" " * (-len(header) % 8)
-    data = bytes([7, 8, 9]) + floats.numpy().tobytes()
-    f = tmp_path / "odd.safetensors"
-    f.write_bytes(len(header).to_bytes(8, "little") + header + data)
-    out = read_into(f, torch.empty(f.stat().st_size, dtype=torch.uint8))
-    assert out["a"].tolist() == [7, 8, 9] and torch.equal(out["b"], floats)
-    too_short = json.dumps({"b": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}).encode()
-    f.write_bytes(len(too_short).to_bytes(8, "little") + too_short + floats.numpy().tobytes())
-    with pytest.raises(WeightLoadError, match="do not hold"):
-        read_into(f, torch.empty(f.stat().st_size, dtype=torch.uint8))
 
 
 def test_a_nan_past_the_first_chunk_is_found() -> None:

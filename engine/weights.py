@@ -69,7 +69,7 @@ def finite_sum(t: torch.Tensor) -> bool:
     also when finite values are so large that their sum overflows, which no trained weight holds). A
     reduction per chunk of ``FINITE_CHUNK`` elements: cheaper than ``isfinite(t).all()``, which makes a
     boolean copy of the tensor first, and than one reduction over a whole bf16 tensor, whose fp32 working
-    copy is fresh memory at every update (most of a quarter of a second of page faults for SmolLM2 on a VM)."""
+    copy is fresh memory, faulted in page by page, at every update)."""
     flat = t.reshape(-1)
     return all(math.isfinite(c.sum(dtype=torch.float32)) for c in flat.split(FINITE_CHUNK))
 

@@ -76,9 +76,10 @@ def write_safetensors(tensors: Mapping[str, Any], path: Path, *, metadata: dict[
     head += b" " * (-len(head) % 8)  # the format pads the header with spaces to 8 bytes
     total = 8 + len(head) + offset
     path = Path(path)
-    in_place = reuse is not None and Path(reuse).is_file() and Path(reuse).stat().st_size == total
-    if in_place:
-        os.replace(reuse, path)  # type: ignore[arg-type]
+    in_place = False
+    if reuse is not None and Path(reuse).is_file() and Path(reuse).stat().st_size == total:
+        os.replace(reuse, path)
+        in_place = True
     with open(path, "r+b" if in_place else "wb") as f:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)

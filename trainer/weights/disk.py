@@ -9,7 +9,8 @@ fresh ``v<version>`` directory — written under a temporary name and renamed, s
 half-written file — then ``POST /api/weights/update {model_path, weight_version}``. Only the last
 ``keep`` version directories are kept; the weights file of the last one pruned stays as ``.spare.safetensors``
 beside them, to be overwritten in place by the next version (``formats.write_safetensors``: the kernel copies
-into pages it holds instead of allocating a new file's, 2-6x faster on a VM), and is deleted by ``close()``.
+into pages it holds instead of allocating a new file's: several times faster on a VM), and is deleted by
+``close()``.
 
 What runs here: the disk path against the real embedded engine behind a real gateway (the distributed
 path: ``distributed``'s docstring). Not run here: SGLang's own loading code.

@@ -47,7 +47,7 @@ class SwapResult:
 class DiskWeightSync:
     """Save → ``POST /api/weights/update`` on the gateway → prune. ``push(group, version)`` with any
     object that has ``save_weights(out_dir, dtype, reuse=None) -> Path`` (a ``WorkerGroup``; ``reuse``: a
-    file it may overwrite in place)."""
+    file it may overwrite in place, if there)."""
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class DiskWeightSync:
 
     def save(self, group: Any, out: Path) -> Any:
         """Write this version under ``out``; what ``load`` is given (here: the weights directory)."""
-        return group.save_weights(out, self.save_dtype, reuse=self.spare if self.spare.is_file() else None)
+        return group.save_weights(out, self.save_dtype, reuse=self.spare)  # used only where it is there and fits
 
     def load(self, path: Path, version: str) -> dict[str, Any]:
         """Ask the gateway to swap to ``path`` (it pauses, loads, continues); its answer, or raise."""

@@ -18,6 +18,13 @@ DESCRIPTION = """tracegym turns an agent's LLM traffic into reinforcement learni
 at the gateway (tracegym serve), run it over queued tasks (tracegym run), and train on the recorded,
 token-exact trajectories (tracegym train RECIPE.yaml, which can start everything itself)."""
 
+TORCH_ENVIRONMENT = {"THP_MEM_ALLOC_ENABLE": "1"}
+"""Set for every command and the processes it starts (a value the user set is kept): torch's CPU allocator then
+asks the kernel for transparent huge pages (``madvise``) for each buffer of 2 MB or more, so memory touched for
+the first time faults in 2 MB at a time, not 4 KB. A training step allocates gigabytes of activations, gradients
+and optimizer state, and the first steps of a run touch them fresh (docs/benchmarks.md has the cost). torch
+reads the switch once, at its first allocation; commands that never import torch ignore it."""
+
 # subcommand -> "module:function"; each function takes the parsed argparse.Namespace and returns an exit code.
 _TARGETS = {
     "serve": "tracegym.gateway.serve:main",
@@ -125,8 +132,8 @@ def _add_tinker_serve(sub: argparse._SubParsersAction) -> None:
                    "(published weights are written under DIR/tinker)")
     p.add_argument("--keep", type=int, default=4, help="published weight versions kept on disk, per base model "
                    "(older samplers are refused)")
-    p.add_argument("--micro-batch-tokens", type=int, default=4096, help="token budget of one forward/backward "
-                   "micro-batch")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="token budget of one forward/backward "
+                   "micro-batch (default: 4096 on a GPU, 1024 on a CPU)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="training compute dtype: "
                    "bf16 autocast where this CPU or GPU runs it fast (else fp32); weights and AdamW stay fp32")
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads of the training workers")
@@ -300,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     two lines on stderr and exits with code 2; ``--debug`` prints the traceback above it."""
     args = build_parser().parse_args(argv)
     quiet_progress_bars(sys.stderr)  # before any command imports transformers; children inherit it
+    for name, value in TORCH_ENVIRONMENT.items():  # before any command imports torch; children inherit it
+        os.environ.setdefault(name, value)
     debug = args.debug or os.environ.get("TRACEGYM_DEBUG", "").lower() in ("1", "true", "yes", "on")
     try:
         _check_model_first(args)

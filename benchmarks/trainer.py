@@ -105,7 +105,7 @@ def throughput(args: argparse.Namespace, model_dir: Path) -> None:
     threads = torch.get_num_threads()
     print(
         f"model {args.model}, dtype {args.dtype}, batch {len(batch)} seqs, {batch.num_tokens} tokens "
-        f"({batch.num_loss_tokens} sampled), micro_batch_tokens {args.micro_batch_tokens}, torch threads {threads}"
+        f"({batch.num_loss_tokens} sampled), micro_batch_tokens {args.micro_batch_tokens or 'default'}, torch threads {threads}"
     )
     bare = BareLoop(model_dir, batch, args.dtype, 1e-5)
     groups = {"workergroup": WorkerGroup(model_dir, num_workers=1, train_cfg=cfg, use_ray=False)}
@@ -179,7 +179,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--completion-len", type=int, default=24)
-    ap.add_argument("--micro-batch-tokens", type=int, default=4096)
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the trainer's (4096 on a GPU, "
+                    "1024 on a CPU)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--ray", action="store_true", help="also time one Ray actor")

@@ -65,7 +65,7 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     'optim.betas': (0.9, 0.999),
     'optim.warmup_steps': 0,
     'optim.grad_clip': 1.0,
-    'optim.micro_batch_tokens': 4096,
+    'optim.micro_batch_tokens': None,
     'optim.dtype': 'bfloat16',
     'optim.eps': 1e-08,
     'optim.schedule': 'constant',

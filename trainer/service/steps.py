@@ -173,7 +173,7 @@ def _run(worker: TrainWorker, data: list[Datum], loss: str, config: dict[str, fl
                  for d in data]
         scales = loss_scales(*masks)
     plan, n_micro = rank_plan([len(d.tokens) + 1 for d in data], worker.rank, worker.world_size,
-                              worker.cfg.optim.micro_batch_tokens)
+                              worker.cfg.optim.micro_batch_budget(worker.device.type))
     outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
     total, tokens = 0.0, 0.0
     for group in plan + [[] for _ in range(n_micro - len(plan))]:

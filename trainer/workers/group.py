@@ -75,7 +75,8 @@ class WorkerGroup:
             self.nodes = [ip for ip, _ in addresses]
             """The address of each rank's node (Ray's node IP; 127.0.0.1 in-process), by rank."""
             addr, port = addresses[0]
-            self._call_all("setup", [(addr, port)] * num_workers)
+            self.device_type: str = self._call_all("setup", [(addr, port)] * num_workers)[0]
+            """What the ranks train on (``cpu``, ``cuda``): it sets the default micro-batch budget."""
         except BaseException:
             self.shutdown()  # the actors (and a Ray this group started) must not outlive a failed setup
             raise
@@ -126,7 +127,7 @@ class WorkerGroup:
     def _rank_steps(self, samples: list[TrainSample], adapter: str | None, *, advance: bool,
                     objective: str = "grpo") -> list[dict]:
         """One optimizer step on ``samples`` over every rank; the ranks' sums."""
-        budget = self.cfg.optim.micro_batch_tokens
+        budget = self.cfg.optim.micro_batch_budget(self.device_type)
         if objective == "dpo":
             plan, n_micro = plan_pairs(samples, self.world_size, budget)
         else:

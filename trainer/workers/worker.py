@@ -82,7 +82,9 @@ class TrainWorker:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int) -> None:
+    def setup(self, master_addr: str, master_port: int) -> str:
+        """Join the ranks' process group and load the model, the reference and the optimizer; the device type
+        this rank trains on (``cpu``, ``cuda``)."""
         cfg = self.cfg
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
@@ -108,6 +110,7 @@ class TrainWorker:
             self.teacher = self._load(trainable=False, path=Path(cfg.teacher_path))
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.pad_id = int(self.model.config.pad_token_id or 0)
+        return self.device.type
 
     def _load(self, *, trainable: bool, path: Path | None = None) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM

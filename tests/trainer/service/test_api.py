@@ -287,7 +287,7 @@ def test_one_step_through_the_api_moves_the_weights_exactly_as_the_trainer(servi
                           use_ray=False)
     trainer.train_step(TrainBatch(samples), objective="sft")
     expected = {k: v.detach().clone() for k, v in trainer._workers[0].model.named_parameters()}
-    (groups,), _ = plan_step([len(s.token_ids) for s in samples], 1, optim.micro_batch_tokens)
+    (groups,), _ = plan_step([len(s.token_ids) for s in samples], 1, optim.micro_batch_budget("cpu"))
     data = [datum(s.token_ids[:-1].tolist(), s.token_ids[1:].tolist(), weights=s.loss_mask[1:].tolist())
             for s in (samples[i] for i in groups[0])]  # the trainer's row order
     with service.client() as c:

@@ -18,13 +18,6 @@ DESCRIPTION = """tracegym turns an agent's LLM traffic into reinforcement learni
 at the gateway (tracegym serve), run it over queued tasks (tracegym run), and train on the recorded,
 token-exact trajectories (tracegym train RECIPE.yaml, which can start everything itself)."""
 
-TORCH_ENVIRONMENT = {"THP_MEM_ALLOC_ENABLE": "1"}
-"""Set for every command and the processes it starts (a value the user set is kept): torch's CPU allocator then
-asks the kernel for transparent huge pages (``madvise``) for each buffer of 2 MB or more, so memory touched for
-the first time faults in 2 MB at a time, not 4 KB. A training step allocates gigabytes of activations, gradients
-and optimizer state, and the first steps of a run touch them fresh (docs/benchmarks.md has the cost). torch
-reads the switch once, at its first allocation; commands that never import torch ignore it."""
-
 # subcommand -> "module:function"; each function takes the parsed argparse.Namespace and returns an exit code.
 _TARGETS = {
     "serve": "tracegym.gateway.serve:main",
@@ -307,8 +300,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     two lines on stderr and exits with code 2; ``--debug`` prints the traceback above it."""
     args = build_parser().parse_args(argv)
     quiet_progress_bars(sys.stderr)  # before any command imports transformers; children inherit it
-    for name, value in TORCH_ENVIRONMENT.items():  # before any command imports torch; children inherit it
-        os.environ.setdefault(name, value)
     debug = args.debug or os.environ.get("TRACEGYM_DEBUG", "").lower() in ("1", "true", "yes", "on")
     try:
         _check_model_first(args)

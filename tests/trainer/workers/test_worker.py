@@ -122,6 +122,27 @@ def test_a_step_reports_its_padded_shape(tiny_model_dir: Path) -> None:
     assert m["padded_tokens"] > m["tokens"] == batch.num_tokens
 
 
+def test_an_unset_budget_is_the_devices_default(tiny_model_dir: Path) -> None:
+    """``optim.micro_batch_tokens`` unset: the ranks say what they train on, and a CPU's budget is 1024 tokens
+    (a GPU's 4096): six rows of 300 tokens run as two micro-batches of three here, as one on a GPU."""
+    from tracegym.trainer.settings import MICRO_BATCH_TOKENS
+
+    assert OptimConfig().micro_batch_budget("cuda") == MICRO_BATCH_TOKENS["other"] == 4096
+    assert OptimConfig().micro_batch_budget("cpu") == MICRO_BATCH_TOKENS["cpu"] == 1024
+    assert OptimConfig(micro_batch_tokens=96).micro_batch_budget("cpu") == 96  # a recipe's value wins
+    rng = random.Random(0)
+    samples = [TrainSample([rng.randint(3, 2000) for _ in range(300)], [0] * 200 + [1] * 100, [-4.0] * 300, adv)
+               for adv in (1.0, -1.0, 0.5, -0.5, 1.0, -1.0)]
+    cfg = TrainConfig(optim=OptimConfig(lr=1e-3, dtype="float32"), device="cpu")
+    one = WorkerGroup(tiny_model_dir, num_workers=1, train_cfg=cfg, use_ray=False)
+    try:
+        assert one.device_type == "cpu"
+        m = one.train_step(TrainBatch(samples))
+    finally:
+        one.shutdown()
+    assert m["micro_batches"] == 2 and m["padded_tokens"] == 1800
+
+
 @pytest.mark.slow
 def test_loss_falls_on_a_fixed_batch(group: tuple[WorkerGroup, Path]) -> None:
     """With every advantage +1 the policy-gradient objective is the sampled tokens' NLL (the PPO loss

@@ -140,7 +140,7 @@ class OptimConfig(_Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     micro_batch_tokens: int | None = Field(
         None, ge=64, description="Token budget of one forward/backward micro-batch; unset: 4096 on a GPU, 1024 on a CPU "
-        "(there a step's peak memory halves and its first steps fault in less fresh memory, at the same speed)."
+        "(there a large step's peak memory halves; a batch of 1-4k tokens runs a little slower than in one piece)."
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16", description="Training compute dtype (bf16 autocast; master weights fp32; fp32 on a CPU where bf16 is slower)."

@@ -128,8 +128,8 @@ class AlgorithmConfig(_Section):
         return v
 
 
-MICRO_BATCH_TOKENS = {"cpu": 1024, "other": 4096}
-"""``OptimConfig.micro_batch_tokens`` where the recipe leaves it unset, by the device a rank trains on."""
+MICRO_BATCH_TOKENS, CPU_MICRO_BATCH_TOKENS = 4096, 1024
+"""``OptimConfig.micro_batch_tokens`` where the recipe leaves it unset: on a GPU, and on a CPU."""
 
 
 class OptimConfig(_Section):
@@ -155,7 +155,7 @@ class OptimConfig(_Section):
         """``micro_batch_tokens``, or where unset the default for a rank on ``device_type`` (``cpu``, ``cuda``)."""
         if self.micro_batch_tokens is not None:
             return self.micro_batch_tokens
-        return MICRO_BATCH_TOKENS["cpu" if device_type == "cpu" else "other"]
+        return CPU_MICRO_BATCH_TOKENS if device_type == "cpu" else MICRO_BATCH_TOKENS
 
 
 class UpstreamConfig(_Section):

@@ -125,10 +125,10 @@ def test_a_step_reports_its_padded_shape(tiny_model_dir: Path) -> None:
 def test_an_unset_budget_is_the_devices_default(tiny_model_dir: Path) -> None:
     """``optim.micro_batch_tokens`` unset: the ranks say what they train on, and a CPU's budget is 1024 tokens
     (a GPU's 4096): six rows of 300 tokens run as two micro-batches of three here, as one on a GPU."""
-    from tracegym.trainer.settings import MICRO_BATCH_TOKENS
+    from tracegym.trainer.settings import CPU_MICRO_BATCH_TOKENS, MICRO_BATCH_TOKENS
 
-    assert OptimConfig().micro_batch_budget("cuda") == MICRO_BATCH_TOKENS["other"] == 4096
-    assert OptimConfig().micro_batch_budget("cpu") == MICRO_BATCH_TOKENS["cpu"] == 1024
+    assert OptimConfig().micro_batch_budget("cuda") == MICRO_BATCH_TOKENS == 4096
+    assert OptimConfig().micro_batch_budget("cpu") == CPU_MICRO_BATCH_TOKENS == 1024
     assert OptimConfig(micro_batch_tokens=96).micro_batch_budget("cpu") == 96  # a recipe's value wins
     rng = random.Random(0)
     samples = [TrainSample([rng.randint(3, 2000) for _ in range(300)], [0] * 200 + [1] * 100, [-4.0] * 300, adv)

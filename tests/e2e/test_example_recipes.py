@@ -1,7 +1,10 @@
 """Every example's recipe starts and completes a training step: `tracegym train` on the recipe as shipped,
 with tiny-random in place of SmolLM2 and a step of 2 tasks × 2 rollouts (real engine, gateway, store,
 runner and trainer; the example's own agent, tasks and settings otherwise). Whether they learn on SmolLM2
-is measured in docs/agents.md; tests/e2e/test_example_learns.py trains one of them."""
+is measured in docs/agents.md; tests/e2e/test_example_learns.py trains one of them.
+
+A run on tiny-random keeps about one of two cores busy (it is mostly its processes starting), so the selected
+recipes train ``RECIPES_AT_ONCE`` at a time: the test of one recipe starts the next one's run beside its own."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,8 @@ EXAMPLES = ROOT / "examples"
 EXAMPLE_NAMES = sorted(p.parent.name for p in EXAMPLES.glob("*/recipe.yaml") if p.parent.name != "quickstart")
 # every recipe of those examples, as NAME/FILE: recipe.yaml and its variants (recipe-*.yaml)
 RECIPES = sorted(f"{name}/{p.name}" for name in EXAMPLE_NAMES for p in (EXAMPLES / name).glob("recipe*.yaml"))
+RECIPES_AT_ONCE = 2
+"""Recipes trained side by side (a tiny-random run uses about one core)."""
 
 
 def tiny_recipe(name: str, tmp: Path) -> Path:
@@ -53,16 +60,54 @@ def test_every_example_agent_has_a_recipe() -> None:
     assert agents and agents == EXAMPLE_NAMES, "an example agent without a recipe.yaml cannot be trained"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", RECIPES)
-def test_example_recipe_completes_a_step(name: str, tmp_path: Path, tiny_model_dir: Path) -> None:
-    recipe = tiny_recipe(name, tmp_path)
+def train_tiny(name: str, tmp: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    """``tracegym train`` on ``tiny_recipe(name, tmp)``: the recipe's path and the finished process."""
+    recipe = tiny_recipe(name, tmp)
     res = subprocess.run(
-        [sys.executable, "-m", "tracegym.cli", "train", str(recipe)], cwd=tmp_path, capture_output=True, text=True,
+        [sys.executable, "-m", "tracegym.cli", "train", str(recipe)], cwd=tmp, capture_output=True, text=True,
         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT), "TRACEGYM_MAX_TOKENS": "8"},
     )  # fmt: skip
+    return recipe, res
+
+
+class RecipeRuns:
+    """The selected recipes' training runs, in the order their tests run: asking for one starts it (if it has
+    not started) and the ``ahead`` after it, in a pool of ``ahead + 1`` threads, each run in a folder of its own."""
+
+    def __init__(self, names: list[str], tmp: pytest.TempPathFactory, ahead: int) -> None:
+        self.names, self.tmp, self.ahead = names, tmp, ahead
+        self.pool = ThreadPoolExecutor(ahead + 1, thread_name_prefix="recipe")
+        self.runs: dict[str, Future[tuple[Path, subprocess.CompletedProcess]]] = {}
+
+    def result(self, name: str) -> tuple[Path, subprocess.CompletedProcess]:
+        at = self.names.index(name) if name in self.names else len(self.names)
+        for n in [name, *self.names[at + 1:at + 1 + self.ahead]]:
+            if n not in self.runs:
+                self.runs[n] = self.pool.submit(train_tiny, n, self.tmp.mktemp(n.replace("/", "-")))
+        return self.runs[name].result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                tiny_model_dir: Path) -> Iterator[RecipeRuns]:
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_example_recipe_completes_a_step"
+                and item.module is request.module]
+    # a pytest-xdist worker runs only some of them: it starts no other recipe's run
+    runs = RecipeRuns(selected, tmp_path_factory, 0 if hasattr(request.config, "workerinput") else RECIPES_AT_ONCE - 1)
+    yield runs
+    runs.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_example_recipe_completes_a_step(name: str, recipe_runs: RecipeRuns) -> None:
+    recipe, res = recipe_runs.result(name)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (recipe.parent / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = len(yaml.safe_load(recipe.read_text()).get("phases") or [1])
     *_, step = train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1)), train

@@ -5,7 +5,9 @@ of examples per operation, and must find no server error and no answer the schem
 checks are relaxed for which routes, and why.
 
 Run twice: without an admin key (every phase), and with one sent as ``Authorization: Bearer`` (every phase
-but the coverage phase's boundary cases, which take most of the time and exercise the same routes)."""
+but the coverage phase's boundary cases, which take most of the time and exercise the same routes). The two
+runs go side by side, each against a gateway of its own: most of their time is the requests that may be held
+(a claim or a list of rollouts waits up to its ``wait_s``), not work."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -65,22 +68,36 @@ def _fuzz(gateway: ManagedProcess, tmp: Path, *headers: str, phases: str | None 
     return subprocess.run(argv, capture_output=True, text=True, cwd=tmp, timeout=900, check=False)
 
 
-def _assert_clean(result: subprocess.CompletedProcess, gateway: ManagedProcess) -> None:
+def _assert_clean(result: subprocess.CompletedProcess, gateway_log: str) -> None:
     out = result.stdout + result.stderr
-    assert result.returncode == 0, f"schemathesis found failures:\n{out[-20000:]}\n--- gateway log:\n{gateway.log()}"
+    assert result.returncode == 0, f"schemathesis found failures:\n{out[-20000:]}\n--- gateway log:\n{gateway_log}"
     assert "Tested:" in out, out[-4000:]  # it ran the operations, not just loaded the schema
 
 
+def _fuzz_behind_the_key(upstream: ManagedProcess, tmp: Path) -> tuple[subprocess.CompletedProcess, str]:
+    """The run with the admin key: schemathesis' result and the gateway's log."""
+    with _serve(upstream, tmp, "--admin-key", ADMIN_KEY) as gateway:
+        return _fuzz(gateway, tmp, f"Authorization: Bearer {ADMIN_KEY}", phases="examples,fuzzing,stateful"), gateway.log()
+
+
+@pytest.fixture(scope="module")
+def keyed_run(upstream: ManagedProcess,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[tuple[subprocess.CompletedProcess, str]]]:
+    """The admin-key run, started in a thread of its own when the first test of this module asks for it."""
+    with ThreadPoolExecutor(1, thread_name_prefix="fuzz-key") as pool:
+        yield pool.submit(_fuzz_behind_the_key, upstream, tmp_path_factory.mktemp("fuzz-key"))
+
+
 @pytest.mark.slow
-def test_fuzzing_finds_no_server_error_or_schema_violation(upstream: ManagedProcess, tmp_path: Path) -> None:
+def test_fuzzing_finds_no_server_error_or_schema_violation(upstream: ManagedProcess, tmp_path: Path,
+                                                           keyed_run: Future) -> None:
+    """Every phase without a key (the admin-key run goes on beside it: ``keyed_run``)."""
     with _serve(upstream, tmp_path) as gateway:
-        _assert_clean(_fuzz(gateway, tmp_path), gateway)
+        _assert_clean(_fuzz(gateway, tmp_path), gateway.log())
 
 
 @pytest.mark.slow
-def test_fuzzing_with_the_admin_key(upstream: ManagedProcess, tmp_path: Path) -> None:
+def test_fuzzing_with_the_admin_key(keyed_run: Future[tuple[subprocess.CompletedProcess, str]]) -> None:
     """The same routes behind the key: the coverage phase's boundary cases ran without one above, so this
     run keeps the examples, fuzzing and stateful phases (~11 s instead of ~2 min)."""
-    with _serve(upstream, tmp_path, "--admin-key", ADMIN_KEY) as gateway:
-        _assert_clean(_fuzz(gateway, tmp_path, f"Authorization: Bearer {ADMIN_KEY}",
-                            phases="examples,fuzzing,stateful"), gateway)
+    _assert_clean(*keyed_run.result())

@@ -80,8 +80,8 @@ class RecipeRuns:
         self.runs: dict[str, Future[tuple[Path, subprocess.CompletedProcess]]] = {}
 
     def result(self, name: str) -> tuple[Path, subprocess.CompletedProcess]:
-        at = self.names.index(name) if name in self.names else len(self.names)
-        for n in [name, *self.names[at + 1:at + 1 + self.ahead]]:
+        at = self.names.index(name)
+        for n in self.names[at:at + 1 + self.ahead]:
             if n not in self.runs:
                 self.runs[n] = self.pool.submit(train_tiny, n, self.tmp.mktemp(n.replace("/", "-")))
         return self.runs[name].result()

@@ -89,9 +89,9 @@ def keyed_run(upstream: ManagedProcess,
 
 
 @pytest.mark.slow
-def test_fuzzing_finds_no_server_error_or_schema_violation(upstream: ManagedProcess, tmp_path: Path,
-                                                           keyed_run: Future) -> None:
-    """Every phase without a key (the admin-key run goes on beside it: ``keyed_run``)."""
+@pytest.mark.usefixtures("keyed_run")  # the admin-key run goes on beside this one
+def test_fuzzing_finds_no_server_error_or_schema_violation(upstream: ManagedProcess, tmp_path: Path) -> None:
+    """Every phase without a key."""
     with _serve(upstream, tmp_path) as gateway:
         _assert_clean(_fuzz(gateway, tmp_path), gateway.log())
 

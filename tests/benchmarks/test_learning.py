@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.learning import grpo, summary, time_to, train_s_per_1k_tokens
+from benchmarks.learning import grpo, summary, time_to, time_to_best, train_s_per_1k_tokens
 
 
 def _step(step: int, train_s: float, tokens: float, step_s: float = 10.0) -> dict[str, float]:
@@ -67,6 +67,21 @@ def test_summary_and_time_to_target() -> None:
     assert row["train_s_per_1k_tokens"] == pytest.approx(1.5)
     assert row["time_to_target_s"] == time_to(side, 0.6) == 20.0
     assert time_to(side, 0.8) is None
+
+
+def test_time_to_the_bare_loops_best_reward() -> None:
+    # the bare loop's best is its earliest evaluation of the highest reward after training began
+    bare = {"steps": [_step(i, 2.0, 1000) for i in (1, 2, 3, 4)],
+            "evals": [{"step": 0, "reward": 0.5}, {"step": 2, "reward": 0.3}, {"step": 4, "reward": 0.3}]}
+    fast = {"steps": [_step(i, 2.0, 1000, step_s=5.0) for i in (1, 2, 3, 4)],
+            "evals": [{"step": 0, "reward": 0.1}, {"step": 2, "reward": 0.35}, {"step": 4, "reward": 0.2}]}
+    tb, tq, best = time_to_best(bare, fast)
+    assert best == {"step": 2, "reward": 0.3} and (tb, tq) == (20.0, 10.0)
+    slow = {**fast, "evals": [{"step": 0, "reward": 0.1}, {"step": 2, "reward": 0.2}, {"step": 4, "reward": 0.3}]}
+    assert time_to_best(bare, slow)[:2] == (20.0, 20.0)
+    never = {**fast, "evals": [{"step": 0, "reward": 0.6}, {"step": 4, "reward": 0.29}]}
+    assert time_to_best(bare, never)[1] is None
+    assert time_to_best({**bare, "evals": bare["evals"][:1]}, fast) is None  # evaluated only before training
 
 
 def test_a_swap_is_split_into_writing_the_weights_and_the_gateways_swap() -> None:

@@ -23,17 +23,18 @@ Time to the target: the sum of step times up to the first evaluation at or above
 start-up left out on both sides, and reported apart); and, which a short run always has, the time to the bare
 loop's best held-out reward (its highest once training began, against the product's first evaluation at or
 above it). Ratio = product / bare; the target is ≤ 1.1, per 1,000 trained tokens too. The sides run one after
-the other (a side alone on the two cores); noise on a shared machine hits whichever runs then, so compare per-step medians as well as totals. Training time is also given
-per 1,000 tokens of the sequences trained: a step trains only the groups whose rewards differ, so the two
-sides' steps train different amounts; per 1,000 padded tokens (rows × the longest row: what the forward
-and backward ran), the same work whatever the lengths of the rows; after each side's first training step
-(a process's first step pays its warm-up: the product's trainer is a process of its own that has run
-nothing before it, where the bare loop's process has run its generation and evaluation); and in CPU
-seconds of the training process per 1,000 tokens (the bare loop's ``process_time``, the product's
-``worker_cpu_s``: the ``tracegym train`` process with its in-process worker), steadier than wall time on a
-shared machine. Also per step after the first: the page faults and system seconds of the training process
-(memory faulted in again, ``modelfiles.cpu_memory``). Each side's trained batch shape (rows, micro-batches,
-padded against real tokens) and the 1-minute load as it began and ended are recorded with it."""
+the other (a side alone on the two cores); noise on a shared machine hits whichever runs then, so compare
+per-step medians as well as totals. Training time is also given per 1,000 tokens of the sequences trained: a
+step trains only the groups whose rewards differ, so the two sides' steps train different amounts; per 1,000
+padded tokens (rows × the longest row: what the forward and backward ran), the same work whatever the lengths
+of the rows; after each side's first training step (a process's first step pays its warm-up: the product's
+trainer is a process of its own that has run nothing before it, where the bare loop's process has run its
+generation and evaluation); and in CPU seconds of the training process per 1,000 tokens (the bare loop's
+``process_time``, the product's ``worker_cpu_s``: the ``tracegym train`` process with its in-process worker),
+steadier than wall time on a shared machine. Also per step after the first: the page faults and system seconds
+of the training process (memory faulted in again, ``modelfiles.cpu_memory``). Each side's trained batch shape
+(rows, micro-batches, padded against real tokens) and the 1-minute load as it began and ended are recorded
+with it."""
 
 from __future__ import annotations
 

@@ -26,10 +26,10 @@ LEARNING_TESTS_ENV = "TRACEGYM_LEARNING_TESTS"
 def fast_bf16_here() -> bool:
     """Whether this machine trains SmolLM2 at the speed the learning tests are sized for: a CUDA device, or a
     CPU with AVX512-BF16 or AMX-BF16 (oneDNN's bf16 kernels). Such a CPU computes in bf16 where that is the
-    faster dtype (``modelfiles.load.cpu_compute_dtype``), else in float32 at nearly the same speed (on an Intel
-    Xeon with AVX512-BF16 and no AMX, float32: the learning tests took 1.1-1.35x their time with AMX); an older
-    CPU computes in float32 several times slower. Read from the device files and the CPU's flags, so that every
-    run on one machine decides alike."""
+    faster dtype (``modelfiles.load.cpu_compute_dtype``), else in float32 at nearly the same speed (an Intel
+    Xeon with AVX512-BF16 and no AMX: docs/benchmarks.md, the learning tests); an older CPU computes in float32
+    several times slower. Read from the device files and the CPU's flags, so that every run on one machine
+    decides alike."""
     if Path("/dev/nvidiactl").exists():
         return True
     try:

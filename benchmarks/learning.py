@@ -287,10 +287,11 @@ def run_product(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ report
 
 
-def time_to(side: dict[str, Any], target: float) -> float | None:
-    """Step seconds up to the first evaluation at or above ``target`` (None: never reached)."""
+def time_to(side: dict[str, Any], target: float, from_step: int = 0) -> float | None:
+    """Step seconds up to the first evaluation at or above ``target`` (None: never reached), counting the
+    evaluations from step ``from_step`` on."""
     for ev in side["evals"]:
-        if ev["reward"] >= target:
+        if ev["step"] >= from_step and ev["reward"] >= target:
             return sum(s["step_s"] for s in side["steps"] if s["step"] <= ev["step"])
     return None
 
@@ -309,11 +310,9 @@ def time_to_best(bare: dict[str, Any], product: dict[str, Any]) -> tuple[float, 
     best = best_eval(bare)
     if best is None:
         return None
-
-    def after_training(side: dict[str, Any]) -> dict[str, Any]:  # both start from the same weights
-        return {**side, "evals": [e for e in side["evals"] if e["step"] > 0]}
-
-    return time_to(after_training(bare), best["reward"]) or 0.0, time_to(after_training(product), best["reward"]), best
+    bare_s = time_to(bare, best["reward"], from_step=1)
+    assert bare_s is not None, "the best is one of the bare loop's evaluations"
+    return bare_s, time_to(product, best["reward"], from_step=1), best
 
 
 def train_s_per_1k_tokens(steps: list[dict[str, Any]], key: str = "train_s",

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from tracegym import forkserver
+
 _PORT_FLOOR = 20000
 """Ports that ``free_port`` picks start here: above the usual fixed ports of local services and above Ray's
 default worker ports (10002-19999), which ``ray start`` refuses to see any of its other ports among."""
@@ -81,7 +83,8 @@ def _die_with_parent() -> None:
 class ManagedProcess:
     """A child process in its own process group, its output in a log file."""
 
-    def __init__(self, proc: subprocess.Popen, log_path: Path | None, base_url: str, name: str = "") -> None:
+    def __init__(self, proc: subprocess.Popen | forkserver.ForkedChild, log_path: Path | None, base_url: str,
+                 name: str = "") -> None:
         self.proc = proc
         self.log_path = log_path
         self.base_url = base_url
@@ -163,13 +166,21 @@ def spawn_process(
         "cwd": cwd,
         "preexec_fn": _die_with_parent if sys.platform == "linux" else None,
     }
+    base_url = f"http://127.0.0.1:{port}" if port else ""
+    if log_path is not None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+    if (server := os.environ.get(forkserver.FORKSERVER_ENV)) and forkserver.module_argv(argv):
+        try:
+            child = forkserver.spawn(server, argv, env=popen["env"], cwd=cwd, log_path=log_path)
+            return ManagedProcess(child, log_path, base_url, name)
+        except OSError:  # the server is gone: start it as usual
+            pass
     if log_path is None:
         proc = subprocess.Popen(argv, **popen)
     else:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, **popen)
-    return ManagedProcess(proc, log_path, f"http://127.0.0.1:{port}" if port else "", name)
+    return ManagedProcess(proc, log_path, base_url, name)
 
 
 def wait_ready(mp: ManagedProcess, health_path: str = "/health", timeout: float = 300.0) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import empty_pg_database, fresh_pg_database, pg_available
+from tests.procs import empty_pg_database, fork_server, fresh_pg_database, pg_available
 
 SHARED_BY_ONE_WORKER = frozenset({"service", "gateway"})
 """Session-scoped fixtures that start a costly process (tests/trainer/service: ``tracegym tinker-serve``;
@@ -123,6 +123,21 @@ def _in_group(item: pytest.Item, group: str) -> None:
     if node_id is None or not hasattr(node_id, "_str_cache") or "@" in item.nodeid.rpartition("]")[2]:
         return
     object.__setattr__(node_id, "_str_cache", f"{item.nodeid}@{group}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forked_children(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                    ) -> Iterator[str | None]:
+    """The child processes of this worker's tests start from one preloaded interpreter (``tests.procs.fork_server``):
+    each then starts in a fraction of a second instead of importing torch, transformers and the gateway again.
+    Not in a session with slow tests (they train, with Ray and torch.distributed in their children: those start
+    as fresh processes, as a user's run does), nor when ``$TRACEGYM_TEST_FORKSERVER`` is ``0``."""
+    if os.environ.get("TRACEGYM_TEST_FORKSERVER", "1") == "0" or any(
+            item.get_closest_marker("slow") for item in request.session.items):
+        yield None
+        return
+    with fork_server(tmp_path_factory.mktemp("forkserver") / "forkserver.log") as path:
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -2,18 +2,62 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from tracegym.forkserver import FORKSERVER_ENV
 from tracegym.procs import ManagedProcess, free_port, start_process
 
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
-__all__ = ["PG_ADMIN_URL", "ManagedProcess", "empty_pg_database", "free_port", "fresh_pg_database", "pg_available",
-           "start_process"]
+__all__ = ["PG_ADMIN_URL", "ManagedProcess", "empty_pg_database", "fork_server", "free_port", "fresh_pg_database",
+           "pg_available", "start_process"]
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_PRELOAD = ("benchmarks.fake_sglang", "transformers.models.qwen3.modeling_qwen3")
+"""What the tests' fork server imports beyond ``tracegym.forkserver.PRELOAD``: the fake upstream most tests
+start, and the model class of ``qwen3-tiny``."""
+
+
+@contextmanager
+def fork_server(log_path: Path, timeout: float = 120.0) -> Iterator[str]:
+    """A ``tracegym.forkserver`` for this process's children, named in ``$TRACEGYM_FORKSERVER`` while it runs
+    (and so to their children): each ``tracegym`` command and fake upstream a test starts is forked from it
+    instead of importing torch, transformers and the gateway again. Yields its socket's path."""
+    folder = tempfile.mkdtemp(prefix="tg-fork-")  # short: a Unix socket's path is at most 107 bytes
+    path = os.path.join(folder, "socket")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tracegym.forkserver", path, *TEST_PRELOAD], cwd=ROOT,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the fork server did not start; its log:\n{log_path.read_text(errors='replace')}")
+            time.sleep(0.05)
+        before = os.environ.get(FORKSERVER_ENV)
+        os.environ[FORKSERVER_ENV] = path
+        try:
+            yield path
+        finally:
+            if before is None:
+                os.environ.pop(FORKSERVER_ENV, None)
+            else:
+                os.environ[FORKSERVER_ENV] = before
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pg_available() -> bool:

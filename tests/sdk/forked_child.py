@@ -1,0 +1,13 @@
+"""A child for tests/sdk/test_forkserver.py: prints what a ``python -m`` child sees, then exits with the code
+given as its first argument (or sleeps when it is ``sleep``)."""
+
+import os
+import sys
+import time
+
+print(f"argv={sys.argv[1:]} cwd={os.getcwd()} marker={os.environ.get('FORKED_MARKER')} "
+      f"main={__name__} sid={os.getsid(0) == os.getpid()} stdin={sys.stdin.read()!r}", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if sys.argv[1] == "sleep":
+    time.sleep(600)
+sys.exit(int(sys.argv[1]))

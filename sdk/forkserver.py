@@ -13,7 +13,9 @@ The server stays single-threaded and computes nothing, so forking it is safe: it
 accepts requests (one JSON line each on a Unix socket that only its user can open), forks, and reaps. The
 child becomes what ``subprocess.Popen`` with ``start_new_session`` would have made: its own session, the
 request's environment, working directory and log file on stdout and stderr, SIGTERM when the server dies,
-and ``sys.argv`` and ``__main__`` as ``python -m`` sets them. stdlib only.
+and ``sys.argv`` and ``__main__`` as ``python -m`` sets them. Two things differ: its command line in
+``/proc`` (and so in ``ps``) stays the server's, and the modules the server imported were imported with the
+server's environment. stdlib only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import runpy
 import select
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -103,8 +106,6 @@ class ForkedChild:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None and not self._exited(timeout):
-            import subprocess
-
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self._collect()
 
@@ -170,7 +171,7 @@ def _run_child(request: dict[str, Any], out: int, err: int) -> int:
     # runpy warns when the module is imported already, as the server's modules are: a fresh `python -m` does not
     warnings.filterwarnings("ignore", message=".* found in sys.modules after import of package",
                             category=RuntimeWarning)
-    request["server_env"] = dict(os.environ)
+    ours = _pythonpath(os.environ)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -179,7 +180,7 @@ def _run_child(request: dict[str, Any], out: int, err: int) -> int:
             stream.reconfigure(write_through=True)  # type: ignore[union-attr]
     # as `python -m` sets it: the working directory, then $PYTHONPATH, then the rest (the server's own
     # working directory and $PYTHONPATH out)
-    ours, theirs = _pythonpath(request["server_env"]), _pythonpath(os.environ)
+    theirs = _pythonpath(os.environ)
     sys.path[:] = [request["cwd"], *theirs, *(p for p in sys.path[1:] if p not in ours and p not in theirs)]
     sys.argv = [request["module"], *request["args"]]
     try:

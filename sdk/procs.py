@@ -1,7 +1,9 @@
 """Child processes on free ports: start in their own process group, wait for health, always stop.
 
 Used by ``tracegym serve --engine embedded`` and ``tracegym train`` (``start_engines``: the embedded
-engines; the trainer also starts its gateway and runner here) and the tests. httpx + stdlib only.
+engines; the trainer also starts its gateway and runner here) and the tests, whose ``python -m`` children
+are forked from a preloaded interpreter while ``$TRACEGYM_FORKSERVER`` names one (``forkserver``). httpx +
+stdlib only.
 """
 
 from __future__ import annotations

@@ -1,22 +1,20 @@
 """A fork server: one interpreter that has imported tracegym's heavy modules once (torch, transformers, the
-gateway) and forks a child for each ``python -m MODULE ...`` it is asked to start, so that the child skips
-the seconds of imports a fresh interpreter pays (an embedded engine on a tiny model: ~0.2 s to ready
-instead of ~3 s).
+gateway) and forks a child for each ``python -m MODULE ...`` it is asked to start, so that the child skips the
+seconds of imports a fresh interpreter pays (an embedded engine on a tiny model: ~0.2 s to ready instead of ~3
+s).
 
-A test suite that starts hundreds of gateways and engines runs one per worker
-(``python -m tracegym.forkserver SOCKET``) and puts the socket's path in ``$TRACEGYM_FORKSERVER``: from then
-on ``procs.spawn_process`` sends it every ``python -m`` child, including the engines a forked gateway
-starts in turn, and starts the others as before. A child it cannot reach is
-started as before too.
+A test suite that starts hundreds of gateways and engines runs one per worker (``python -m tracegym.forkserver
+SOCKET``) and puts the socket's path in ``$TRACEGYM_FORKSERVER``: from then on ``procs.spawn_process`` sends
+it every ``python -m`` child, including the engines a forked gateway starts in turn, and starts the others as
+before. A child it cannot reach is started as before too.
 
-The server stays single-threaded and computes nothing, so forking it is safe: it imports, then only
-accepts requests (one JSON line each on a Unix socket that only its user can open), forks, and reaps. The
-child becomes what ``subprocess.Popen`` with ``start_new_session`` would have made: its own session, the
-request's environment and working directory, stdout and stderr on the descriptors the requester sent
-(its log file, or its own), SIGTERM when the server dies,
-and ``sys.argv`` and ``__main__`` as ``python -m`` sets them. Two things differ: its command line in
-``/proc`` (and so in ``ps``) stays the server's, and the modules the server imported were imported with the
-server's environment. stdlib only.
+The server stays single-threaded and computes nothing, so forking it is safe: it imports, then only accepts
+requests (one JSON line each on a Unix socket that only its user can open), forks, and reaps. The child
+becomes what ``subprocess.Popen`` with ``start_new_session`` would have made: its own session, the request's
+environment and working directory, stdout and stderr on the descriptors the requester sent (its log file, or
+its own), SIGTERM when the server dies, and ``sys.argv`` and ``__main__`` as ``python -m`` sets them. Two
+things differ: its command line in ``/proc`` (and so in ``ps``) stays the server's, and the modules the server
+imported were imported with the server's environment. stdlib only.
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def spawn(server: str, argv: Sequence[str], *, env: dict[str, str], cwd: str | P
 # ---- the server
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a child: get SIGTERM when the parent dies (Linux), so no child outlives it."""
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -160,7 +161,7 @@ def _run_child(request: dict[str, Any], out: int, err: int) -> int:
     """In the forked child: become the requested ``python -m MODULE ARGS``, with ``out`` and ``err`` (the
     requester's descriptors) as stdout and stderr, and return its exit code."""
     os.setsid()
-    _die_with_parent()
+    die_with_parent()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(out, 1)
@@ -208,31 +209,39 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
 def _handle(conn: socket.socket, listener: socket.socket) -> None:
     request, fds = _receive(conn)
     with conn:
-        if request.get("op") == "wait":
-            _, status = os.waitpid(int(request["pid"]), 0)
-            reply: dict[str, Any] = {"returncode": os.waitstatus_to_exitcode(status)}
-        elif request.get("op") == "spawn" and len(fds) == 2:
+        try:
+            if request.get("op") == "wait":
+                _, status = os.waitpid(int(request["pid"]), 0)
+                reply: dict[str, Any] = {"returncode": os.waitstatus_to_exitcode(status)}
+            elif request.get("op") == "spawn" and len(fds) == 2:
+                reply = {"pid": _fork(request, fds, listener, conn)}
+            else:
+                reply = {"error": f"unknown request {request.get('op')!r}"}
+        except (OSError, ValueError, KeyError) as e:  # a pid not ours, a field missing: the requester is told
+            reply = {"error": repr(e)}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+
+
+def _fork(request: dict[str, Any], fds: list[int], listener: socket.socket, conn: socket.socket) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    listener.close()
+    conn.close()
+    code = 1
+    try:
+        code = _run_child(request, *fds)
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                code = 1
-                try:
-                    code = _run_child(request, *fds)
-                finally:
-                    with contextlib.suppress(BaseException):
-                        atexit._run_exitfuncs()
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                    os._exit(code)
-            reply = {"pid": pid}
-        else:
-            reply = {"error": f"unknown request {request.get('op')!r}"}
-        for fd in fds:
-            os.close(fd)
-        conn.sendall(json.dumps(reply).encode() + b"\n")
+        os._exit(code)
 
 
 def serve(path: str, preload: Sequence[str] = PRELOAD) -> None:
@@ -268,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         raise SystemExit("usage: python -m tracegym.forkserver SOCKET [MODULE ...]  (modules to import first)")
-    _die_with_parent()
+    die_with_parent()
     serve(args[0], (*PRELOAD, *args[1:]))
 
 

@@ -8,7 +8,6 @@ stdlib only.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import signal
@@ -72,14 +71,6 @@ def free_ports(count: int, taken: Sequence[int] = ()) -> list[int]:
         if (port := free_port()) not in ports and port not in taken:
             ports.append(port)
     return ports
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (Linux), so no child outlives us."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return
 
 
 class ManagedProcess:
@@ -166,7 +157,7 @@ def spawn_process(
         "start_new_session": True,
         "env": {**os.environ, **(env or {})},
         "cwd": cwd,
-        "preexec_fn": _die_with_parent if sys.platform == "linux" else None,
+        "preexec_fn": forkserver.die_with_parent if sys.platform == "linux" else None,
     }
     base_url = f"http://127.0.0.1:{port}" if port else ""
     if log_path is not None:

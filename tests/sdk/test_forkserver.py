@@ -86,3 +86,5 @@ def test_a_request_it_cannot_serve_is_an_error(server: str) -> None:
         forkserver.spawn(server, ["sh", "-c", "true"], env={}, cwd=None, log_path=None)
     with pytest.raises(OSError, match="unknown request"):
         forkserver._ask(server, {"op": "nonsense"})
+    with pytest.raises(OSError, match="ChildProcessError"):  # not one of its children: an answer, not a hang
+        forkserver._ask(server, {"op": "wait", "pid": os.getpid()})

@@ -1,17 +1,18 @@
 """The trainer on a Ray cluster of two containers (docker-compose.yml + docker-compose.ray.yml): the trainer
 container is the Ray head and the driver, `ray-worker` a second node; `tracegym train` joins the cluster by
 address and its two FSDP2 ranks of one CPU each run one per node, with gloo between them across the
-compose network (recipe-compose-ray-short.yaml: SmolLM2, 3 steps, a checkpoint after each). Each node
+compose network (recipe-compose-ray-short.yaml: SmolLM2, 5 steps, a checkpoint after each). Each node
 offers 4 CPUs here, so that Ray alone would put both ranks on the head: the recipe's STRICT_SPREAD
 placement is what spreads them. Checked: the ranks' nodes are the two containers' addresses, `ray status`
-counts 2 nodes with 2 of their 8 CPUs in use while a step trains,
-every step that has groups with unequal rewards trains and swaps its weights into the engine (a new
-weight version each) over the weight-update group (the recipe's `upstream.weight_sync: distributed`: rank
-0's node is the rendezvous, the gateway records no weights directory for any version and its last swap is
-a distributed one), and a Ray worker node
-killed mid-run (SIGKILL to its process after two steps) fails the run with Ray's error naming the dead
-node, after which the trainer container restarts, the worker node rejoins and the run continues from its
-checkpoint to the end, setting the group up again with the engine (which leaves the dead trainer's)."""
+counts 2 nodes with 2 of their 8 CPUs in use while a step trains, every step that has groups with unequal
+rewards trains and swaps its weights into the engine (a new weight version each) over the weight-update
+group (the recipe's `upstream.weight_sync: distributed`: rank 0's node is the rendezvous, the gateway
+records no weights directory for any version and its last swap is a distributed one), and a Ray worker
+node killed mid-run (SIGKILL to its process once two steps are done and one has trained: SmolLM2 solves
+about 7 % of these tasks at first, so about one step in ten has no group with unequal rewards) fails the
+run with Ray's error naming the dead node, after which the trainer container restarts, the worker node
+rejoins and the run continues from its checkpoint to the end, setting the group up again with the engine
+(which leaves the dead trainer's)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from tests.e2e.compose_support import Stack, stack
 pytestmark = pytest.mark.slow
 
 RECIPE = "examples/quickstart/recipe-compose-ray-short.yaml"
-NAME, STEPS = "compose-ray-short", 3
+NAME, STEPS = "compose-ray-short", 5
 NODE_CPUS = 4
 """The CPUs each node offers to ranks: enough for both ranks on one node."""
 
@@ -91,8 +92,9 @@ def test_trainer_ranks_on_two_ray_nodes_in_containers_survive_a_worker_node_kill
         nodes = {s.inspect(n, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}") for n in ("trainer", "ray-worker")}
         print(placed.group(0))
         assert {placed.group(1), placed.group(2)} == nodes and len(nodes) == 2
-        s.wait("two steps trained (a checkpoint after the first)", lambda: len(_train_steps(s)) >= 2, 1200, every=5)
-        assert _weight_version(s) >= 2
+        s.wait("two steps done (a checkpoint after the first) and one trained",
+               lambda: len(_train_steps(s)) >= 2 and _weight_version(s) >= 1, 1200, every=5)
+        assert len(_train_steps(s)) < STEPS, "the run ended before the kill: no step trained until the last"
         _check_distributed_swaps(s, nodes)
 
         # a Ray worker node dies mid-run (SIGKILL to its process, as a crash: its restart policy applies)

@@ -7,7 +7,6 @@ reply."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from tracegym.gateway.deps import Services
 from tracegym.gateway.openai_errors import OpenAIError, bad_request
 from tracegym.gateway.proxy.upstream.base import GenChoice, GenerateRequest
 from tracegym.gateway.proxy.validation import ParsedRequest
+from tracegym.gateway.traces.store.keys import ordered_hex
 from tracegym.gateway.traces.store.schema import check_id_length
 from tracegym.types import CallRecord, ChoiceRecord, WeightVersionSpan
 
@@ -46,8 +46,8 @@ class Prompt:
 
 
 def new_id() -> str:
-    """128 random bits as hex (uuid4's randomness without its per-call ``os.urandom`` syscall)."""
-    return f"{random.getrandbits(128):032x}"
+    """32 hex digits, time-ordered (``store.keys``: a new call's rows go to the end of the store's indexes)."""
+    return ordered_hex()
 
 
 def new_context(operation: str, path_rollout: str | None, headers: Any, *, id_prefix: str | None = None

@@ -37,13 +37,13 @@ from tracegym.gateway.traces.call_spans import (
     json_safe,
 )
 from tracegym.gateway.traces.exporter import CallSpan, SpanMetrics, StoreSpanExporter
+from tracegym.gateway.traces.store.keys import ordered_id
 from tracegym.gateway.traces.store.span_rows import SpanBatch, json_text
 from tracegym.types import CallRecord
 
 log = logging.getLogger(__name__)
 
 SCOPE = "tracegym.gateway"
-_SPAN_ID_MASK = (1 << 64) - 1
 
 
 class _Flush:
@@ -93,7 +93,7 @@ class StoreSpanProcessor(SpanProcessor):
         self.resource = resource if resource is not None else Resource.create({})
         self._resource_json = json_text(json_safe(dict(self.resource.attributes)))
         self._scope = InstrumentationScope(SCOPE)
-        self._rng = random.Random()  # ids of call spans (as RandomIdGenerator draws them)
+        self._rng = random.Random()  # ids of call spans (RandomIdGenerator's draws, the trace id time-ordered)
         self.group = CommitGroup(commit_delay_s, in_flight)
         self._queue: collections.deque[QueueItem] = collections.deque()
         self._batches: queue.Queue[Built | _Flush | None] = queue.Queue(maxsize=pipeline_depth)
@@ -215,18 +215,19 @@ class StoreSpanProcessor(SpanProcessor):
 
     def _add_call(self, batch: SpanBatch, rec: CallRecord, start: int, end: int) -> bool:
         rng = self._rng
-        bits = rng.getrandbits(192)  # the trace id (high 128 bits) and the span id in one draw
-        while not bits >> 64 or not bits & _SPAN_ID_MASK:  # 0 is OpenTelemetry's invalid id
-            bits = rng.getrandbits(192)
+        span_id = rng.getrandbits(64)
+        while not span_id:  # 0 is OpenTelemetry's invalid id
+            span_id = rng.getrandbits(64)
+        trace_id = ordered_id(rng.getrandbits)  # time-ordered (see store.keys), never 0
         span = None
         try:
             if self.extra_processors:
-                span = CallSpan(rec, trace_id=bits >> 64, span_id=bits & _SPAN_ID_MASK, start_time=start,
+                span = CallSpan(rec, trace_id=trace_id, span_id=span_id, start_time=start,
                                 end_time=end, resource=self.resource, resource_json=self._resource_json,
                                 scope=self._scope)
                 row = span.store_row
             else:  # nobody else wants the span object: encode the row alone
-                ids = f"{bits:048x}"
+                ids = f"{trace_id:032x}{span_id:016x}"
                 row = call_record_store_row(rec, trace_id=ids[:32], span_id=ids[32:],
                                             resource_json=self._resource_json, start_time_ns=start,
                                             end_time_ns=end)

@@ -10,12 +10,12 @@ with ``BEGIN IMMEDIATE`` so claims are serialised. ``attempt`` is 1-based: a rol
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import sqlalchemy as sa
 
 from tracegym.gateway.traces.store.db import Database, now
+from tracegym.gateway.traces.store.keys import ordered_hex
 from tracegym.gateway.traces.store.rollouts import read_rollout, rollout_dict
 from tracegym.gateway.traces.store.schema import check_id_length, check_text, max_length
 from tracegym.gateway.traces.store.schema import rollouts as R
@@ -24,7 +24,7 @@ from tracegym.gateway.traces.store.store_errors import Conflict, NotFound
 
 
 def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{ordered_hex()}"  # time-ordered: see store.keys
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -4,7 +4,7 @@ in one run, side by side. Prints p50/p99 latency and the added latency at concur
     python -m benchmarks.gateway_overhead [--store sqlite|none] [--requests 2000]
                                           [--op chat|completion|responses|messages] [--stream]
                                           [--apis] [--distinct] [--rollouts K] [--pin] [--durability-both]
-                                          [--durability commit|async]
+                                          [--durability commit|async] [--pg URL]
 
 Processes: the fake (benchmarks/fake_sglang.py), the gateway (``tracegym serve``, one uvicorn worker,
 uvloop + httptools) and an aiohttp load generator (``loadgen`` mode of this script) each run on their
@@ -27,8 +27,9 @@ chat's), and ends with each API's median added p50 at c=1, c=32 throughput and g
 as ratios to chat's (same mode).
 ``--durability-both`` runs two gateways side by side, ``--durability commit`` (the default: a call is
 answered once its span is committed) and ``--durability async`` (answered at once, the span written later),
-each on its own SQLite store, and alternates direct / commit / async at each point ``--repeat`` times; it
-ends with each mode's median added p50 at c=1 and req/s at c=32.
+each on its own SQLite store (``--pg URL``: each on a database of its own made on that PostgreSQL server and
+dropped after), and alternates direct / commit / async at each point ``--repeat`` times; it ends with each
+mode's median added p50 at c=1 and req/s at c=32.
 Targets: p50 added ≤ 1 ms at c=1; ≥ 2,000 req/s at c=32; stored spans == requests; with ``--apis``,
 added p50 within 1.2× of chat's and c=32 throughput ≥ 0.8× chat's."""
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -125,8 +127,6 @@ def _run_load(url: str, body: dict, concurrency: int, n: int, tmp: Path, pin: li
 
 def _cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of a process (Linux /proc)."""
-    import os
-
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -143,6 +143,44 @@ def _stored_spans(db: Path, expected: int, timeout: float = 60.0) -> int:
             return count
         time.sleep(0.5)
     return count
+
+
+def _pg_url(server: str, database: str) -> str:
+    from sqlalchemy import make_url
+
+    return make_url(server).set(database=database).render_as_string(hide_password=False)
+
+
+def _pg_database(server: str, database: str, *, drop: bool = False) -> None:
+    """Make (or drop) ``database`` on the PostgreSQL server of the URL ``server``."""
+    import psycopg
+
+    from tracegym.gateway.traces.store.db import make_engine
+
+    dsn = make_engine(server).url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(dsn, autocommit=True) as con:
+        con.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+        if not drop:
+            con.execute(f'CREATE DATABASE "{database}"')
+
+
+def _stored_spans_pg(url: str, expected: int, timeout: float = 60.0) -> int:
+    """Spans in the PostgreSQL store at ``url``, polled until ``expected`` are there."""
+    import sqlalchemy as sa
+
+    from tracegym.gateway.traces.store.db import make_engine
+
+    engine, deadline, count = make_engine(url), time.monotonic() + timeout, -1
+    try:
+        while time.monotonic() < deadline:
+            with engine.connect() as con:
+                count = con.execute(sa.text("SELECT count(*) FROM spans")).scalar_one()
+            if count >= expected:
+                return count
+            time.sleep(0.5)
+        return count
+    finally:
+        engine.dispose()
 
 
 def _tokenizer_dir(arg: str | None) -> Path:
@@ -244,11 +282,16 @@ def _durability_both(a: argparse.Namespace, tok_dir: Path, tmp: Path, pin: tuple
     procs: list[ManagedProcess] = []
     modes = ("commit", "async")
     ports: dict[str, int] = {}
+    dbs = {m: f"tg_bench_{m}_{os.getpid()}" for m in modes}
+    stores = ({m: _pg_url(a.pg, dbs[m]) for m in modes} if a.pg
+              else {m: f"sqlite:///{tmp / f'tg-{m}.db'}" for m in modes})
     try:
         fake, fport = start_fake(tok_dir, tmp, pin[1])
         procs.append(fake)
         for m in modes:
-            gw, ports[m] = start_gateway(fport, tok_dir, f"sqlite:///{tmp / f'tg-{m}.db'}", m, tmp, f"gw-{m}", pin[0])
+            if a.pg:
+                _pg_database(a.pg, dbs[m])
+            gw, ports[m] = start_gateway(fport, tok_dir, stores[m], m, tmp, f"gw-{m}", pin[0])
             procs.append(gw)
         tok = ChatTokenizer.from_dir(tok_dir)
         ids = tok.apply(MESSAGES)
@@ -256,7 +299,7 @@ def _durability_both(a: argparse.Namespace, tok_dir: Path, tmp: Path, pin: tuple
                   "sampling_params": {"max_new_tokens": 64, "stop_token_ids": tok.eos_token_ids}}
         body, path = _bodies("chat", str(tok_dir), a.distinct)
         print(f"load average {Path('/proc/loadavg').read_text().split()[0]}; commit-before-ack on and off, chat, "
-              f"SQLite store, {a.requests} requests per point, {a.repeat} rounds")
+              f"{'PostgreSQL' if a.pg else 'SQLite'} store, {a.requests} requests per point, {a.repeat} rounds")
         print(f"{'durability':10} {'c':>3} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'errors':>6} "
               f"{'CPU us/req':>10}")
         added: dict[tuple[str, int], list[float]] = {}
@@ -282,13 +325,16 @@ def _durability_both(a: argparse.Namespace, tok_dir: Path, tmp: Path, pin: tuple
             print(f"{m:10} {med(added[(m, 1)]):>+16.3f} {med(rps[(m, 32)]):>12.0f}")
         ok = True
         for m in modes:
-            stored = _stored_spans(tmp / f"tg-{m}.db", sent[m])
+            stored = _stored_spans_pg(stores[m], sent[m]) if a.pg else _stored_spans(tmp / f"tg-{m}.db", sent[m])
             ok = ok and stored == sent[m]
             print(f"{m}: stored spans {stored} for {sent[m]} requests: {'OK' if stored == sent[m] else 'MISMATCH'}")
         return ok
     finally:
         for pr in procs:
             pr.stop()
+        if a.pg:
+            for m in modes:
+                _pg_database(a.pg, dbs[m], drop=True)
 
 
 def main() -> None:
@@ -310,10 +356,15 @@ def main() -> None:
                    help="chat through two gateways, --durability commit and async, side by side")
     p.add_argument("--durability", choices=["commit", "async"], default="commit",
                    help="the gateway's --durability (commit: answered once the span is committed, the default)")
+    p.add_argument("--pg", default=None, metavar="URL",
+                   help="with --durability-both: record into databases made on this PostgreSQL server "
+                        "(e.g. postgresql://127.0.0.1:5432/test) instead of SQLite files")
     p.add_argument("--rollouts", type=int, default=0, metavar="K",
                    help="chat calls sent to /rollouts/bench-{i %% K}/v1 (attributed calls: the per-rollout prefix "
                         "cache plans and remembers each one)")
     a = p.parse_args()
+    if a.pg and not a.durability_both:
+        p.error("--pg goes with --durability-both")
     if a.rollouts and a.op == "completion":
         p.error("--rollouts needs a chat-like --op")
     runs = ([(op, st) for st in (False, True) for _ in range(a.repeat) for op in ("chat", "responses", "messages")]

@@ -173,11 +173,15 @@ _SPAN_ROLLOUTS_TAIL = (" ON CONFLICT (rollout_id) DO UPDATE SET "
                        "WHERE (excluded.weight_version IS NOT NULL "
                        "AND rollouts.weight_version IS NOT excluded.weight_version) "
                        "OR (rollouts.task_id IS NULL AND excluded.task_id IS NOT NULL)")
-_SPAN_UPDATE_HEAD = "WITH v (rid, wv, tid) AS (VALUES "
-_SPAN_UPDATE_TAIL = (") UPDATE rollouts SET weight_version = coalesce(v.wv, rollouts.weight_version), "
-                     "task_id = coalesce(rollouts.task_id, v.tid) FROM v WHERE rollouts.rollout_id = v.rid "
-                     "AND ((v.wv IS NOT NULL AND rollouts.weight_version IS DISTINCT FROM v.wv) "
-                     "OR (rollouts.task_id IS NULL AND v.tid IS NOT NULL))")
+_PG_SPAN_ROLLOUTS_HEAD = "WITH v (rid, tid, wv, t) AS (VALUES "
+_PG_SPAN_ROLLOUTS_TAIL = (
+    "), ins AS (INSERT INTO rollouts (rollout_id, task_id, group_id, status, attempt, max_attempts, "
+    "reward_final, created_at, weight_version) SELECT rid, tid, NULL, 'adhoc', 1, 1, false, t, wv FROM v "
+    "ON CONFLICT (rollout_id) DO NOTHING) "
+    "UPDATE rollouts SET weight_version = coalesce(v.wv, rollouts.weight_version), "
+    "task_id = coalesce(rollouts.task_id, v.tid) FROM v WHERE rollouts.rollout_id = v.rid "
+    "AND ((v.wv IS NOT NULL AND rollouts.weight_version IS DISTINCT FROM v.wv) "
+    "OR (rollouts.task_id IS NULL AND v.tid IS NOT NULL))")
 
 
 def write_span_rollouts(dialect: str, raw: Any, tasks: dict[str, str | None], versions: dict[str, str]) -> None:
@@ -189,17 +193,16 @@ def write_span_rollouts(dialect: str, raw: Any, tasks: dict[str, str | None], ve
     SQLite: in one statement, a multi-row upsert (a new rollout is inserted with its version, an existing
     one updated where the version differs or its task is missing), since each statement costs the write
     thread a GIL re-acquisition (see ``span_insert``). PostgreSQL: an insert of the missing rollouts, then
-    one ``UPDATE ... FROM (VALUES ...)``, because an upsert's ``DO UPDATE`` would lock every conflicting
-    rollout row until commit (queue claims skip locked rows), while the ``UPDATE`` locks only the rows it
-    changes."""
-    if dialect != "sqlite":
-        _execute_values(dialect, raw, _ROLLOUT_INSERT_HEAD, _ROLLOUT_INSERT_TAIL,
-                        _new_rollout_rows(tasks.items(), "adhoc"))
-        changes = [(rid, versions.get(rid), tasks.get(rid)) for rid in {**tasks, **versions}]
-        _execute_values(dialect, raw, _SPAN_UPDATE_HEAD, _SPAN_UPDATE_TAIL,
-                        [c for c in changes if c[1] is not None or c[2] is not None])
-        return
+    an ``UPDATE ... FROM (VALUES ...)`` of the rollouts that were there before, in one statement (the insert
+    a data-modifying ``WITH`` of the update, which does not see the rows it inserts: a new rollout is
+    written once, with its version), because an upsert's ``DO UPDATE`` would lock every conflicting rollout
+    row until commit (queue claims skip locked rows), while the ``UPDATE`` locks only the rows it changes.
+    A rollout another transaction inserts while this statement runs gets its version from its next span."""
     t = now()
+    if dialect != "sqlite":
+        _execute_values(dialect, raw, _PG_SPAN_ROLLOUTS_HEAD, _PG_SPAN_ROLLOUTS_TAIL,
+                        [(rid, tid, versions.get(rid), t) for rid, tid in _checked_ids(tasks.items()).items()])
+        return
     get = versions.get
     rows = [(rid, tid, None, "adhoc", 1, 1, False, t, get(rid))
             for rid, tid in _checked_ids(tasks.items()).items()]

@@ -7,8 +7,9 @@ runs Python each re-acquisition waits up to the switch interval; one statement's
 GIL in one piece. Hence one statement of each kind per batch, and chunk sizes from a small fixed set
 (full chunks, a partial one padded to a power of two with copies its ``ON CONFLICT`` ignores) so that the
 driver's statement cache holds them: preparing a large multi-row statement costs about as much as
-running it. PostgreSQL: binary ``COPY ... FROM STDIN`` under a savepoint; when a span is already stored (a
-re-sent OTLP batch) the batch goes through a temporary table and ``INSERT ... ON CONFLICT DO NOTHING``.
+running it. PostgreSQL: binary ``COPY ... FROM STDIN``; when a span is already stored (a re-sent OTLP batch) the
+transaction fails and is tried again with the batch going through a temporary table and ``INSERT ... ON
+CONFLICT DO NOTHING`` (a savepoint would cost two more round trips in every transaction, for a rare case).
 """
 
 from __future__ import annotations
@@ -108,17 +109,13 @@ def _copy(cur: Any, table: str, rows: Sequence[tuple]) -> None:
             write(row)
 
 
-def insert_postgresql(dbapi_conn: Any, rows: Sequence[tuple]) -> int:
-    from psycopg import errors
-
+def insert_postgresql(dbapi_conn: Any, rows: Sequence[tuple], *, stored: bool = False) -> int:
+    """Insert span value tuples with one binary ``COPY``: ``psycopg.errors.UniqueViolation``, which aborts
+    the transaction, when a span is stored already. With ``stored`` (a transaction's second try), through
+    the temporary table, skipping the stored ones; the number inserted."""
     with dbapi_conn.cursor() as cur:
-        cur.execute("SAVEPOINT tg_copy_spans")
-        try:
+        if not stored:
             _copy(cur, "spans", rows)
-        except errors.UniqueViolation:
-            cur.execute("ROLLBACK TO SAVEPOINT tg_copy_spans")
-        else:
-            cur.execute("RELEASE SAVEPOINT tg_copy_spans")
             return len(rows)
         cur.execute(
             f"CREATE TEMP TABLE IF NOT EXISTS {_STAGE} ON COMMIT DELETE ROWS AS "

@@ -18,11 +18,12 @@ from tracegym.gateway.traces.store.span_insert import insert_postgresql, insert_
 from tracegym.gateway.traces.store.span_rows import SpanBatch
 
 
-def _write_batch(dialect: str, raw: Any, batch: SpanBatch) -> int:
-    """The statements of a span batch in the open transaction of the DBAPI connection ``raw``."""
+def _write_batch(dialect: str, raw: Any, batch: SpanBatch, *, stored: bool = False) -> int:
+    """The statements of a span batch in the open transaction of the DBAPI connection ``raw`` (``stored``:
+    see ``insert_postgresql``)."""
     write_span_rollouts(dialect, raw, batch.tasks, {rid: wv for rid, (_, wv) in batch.versions.items()})
     if dialect == "postgresql":
-        return insert_postgresql(raw, batch.rows)
+        return insert_postgresql(raw, batch.rows, stored=stored)
     return insert_sqlite(raw, batch.rows)
 
 
@@ -89,13 +90,19 @@ class SpansMixin:
         batch = rows if isinstance(rows, SpanBatch) else SpanBatch.from_dicts(rows)
         if not batch.rows:
             return 0
-        # One multi-row statement of each kind for the whole batch (see span_insert): BEGIN IMMEDIATE, the
-        # rollouts upsert, the spans INSERT, COMMIT.
+        # One statement of each kind for the whole batch (see span_insert): SQLite: BEGIN IMMEDIATE, the
+        # rollouts upsert, the spans INSERT, COMMIT; PostgreSQL: the rollouts upsert, the spans COPY, COMMIT.
         if self.db.dialect == "sqlite":
             with self.db.span_write() as raw:
                 return _write_batch("sqlite", raw, batch)
-        with self.db.write() as conn:
-            return _write_batch(self.db.dialect, conn.connection.dbapi_connection, batch)
+        from psycopg import errors
+
+        try:
+            with self.db.write() as conn:
+                return _write_batch(self.db.dialect, conn.connection.dbapi_connection, batch)
+        except errors.UniqueViolation:  # a span of the batch is stored already: again, skipping those
+            with self.db.write() as conn:
+                return _write_batch(self.db.dialect, conn.connection.dbapi_connection, batch, stored=True)
 
     def insert_spans_now(self, batch: SpanBatch) -> int:
         """``insert_spans`` of a non-empty ``batch`` without waiting for the write lock (SQLite:

@@ -146,6 +146,7 @@ def _stored_spans(db: Path, expected: int, timeout: float = 60.0) -> int:
 
 
 def _pg_url(server: str, database: str) -> str:
+    """The URL ``server`` naming ``database`` instead of its own."""
     from sqlalchemy import make_url
 
     return make_url(server).set(database=database).render_as_string(hide_password=False)

@@ -6,6 +6,7 @@ markers and shutdown still in order)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from tracegym.gateway.traces.codec import encode_floats, encode_ints
 from tracegym.gateway.traces.reads import list_call_records, list_spans
 from tracegym.gateway.traces.recorder import SpanMetrics, StoreSpanExporter, StoreSpanProcessor, TraceRecorder
 from tracegym.gateway.traces.store import Store
+from tracegym.gateway.traces.store.keys import RANDOM_BITS
 from tracegym.gateway.traces.store.span_rows import COLUMNS, SpanBatch, json_text
 from tracegym.types import CallRecord
 
@@ -117,14 +119,18 @@ def test_json_text_fast_path_matches_the_option_path():
 
 def test_call_spans_get_valid_distinct_ids(store: Store):
     rec = TraceRecorder(store, registry=CollectorRegistry(), schedule_delay_s=0.01)
+    before_ms = time.time_ns() // 1_000_000
     for i in range(200):
         rec.record(make_record(i, rollout_id="ro-ids"))
     rec.shutdown()
+    after_ms = time.time_ns() // 1_000_000
     spans = list_spans(store, "ro-ids")
     assert len(spans) == 200
     assert all(len(s["trace_id"]) == 32 and len(s["span_id"]) == 16 for s in spans)
     assert all(int(s["trace_id"], 16) and int(s["span_id"], 16) for s in spans)
     assert len({s["trace_id"] for s in spans}) == len({s["span_id"] for s in spans}) == 200
+    # trace ids begin with the milliseconds they were made in (store.keys: new keys go to the indexes' ends)
+    assert all(before_ms <= int(s["trace_id"], 16) >> RANDOM_BITS <= after_ms for s in spans)
 
 
 class _SlowStore:

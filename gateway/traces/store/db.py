@@ -36,7 +36,7 @@ _BUSY_PAUSES_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.025, 0.025, 0
 SQLITE_PAGE_SIZE = 4_096
 """Page size of a new SQLite store (an existing file keeps its own): SQLite writes every page a transaction
 touched, whole, to its write-ahead log, and a group commit of a few calls touches about a dozen (the last
-leaf of the spans table and of each index), so small pages make the default durability cheap (at c=32, 1.1x
+leaf of the spans table and of each index), so small pages make the default durability cheap (at c=32, 1.1-1.2x
 the calls per second of 16 KiB pages; ``docs/benchmarks.md``). Reads are as fast (a larger span continues
 on overflow pages, read through the memory map); bulk ingest is 0.85-0.9x."""
 SQLITE_CACHE_KIB = 32_768

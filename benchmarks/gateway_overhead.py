@@ -45,6 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from tracegym.procs import ManagedProcess, free_port, start_process
@@ -131,57 +133,47 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _stored_spans(db: Path, expected: int, timeout: float = 60.0) -> int:
-    """Spans in the SQLite store, polled until ``expected`` are there (recording is asynchronous)."""
+def _sqlite_spans(db: Path) -> int:
     import sqlite3
 
-    deadline, count = time.monotonic() + timeout, -1
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        return con.execute("SELECT count(*) FROM spans").fetchone()[0]
+
+
+def _pg_spans(url: str) -> int:
+    import psycopg
+
+    with psycopg.connect(_pg_url(url, None)) as con:
+        return con.execute("SELECT count(*) FROM spans").fetchone()[0]
+
+
+def _stored_spans(count: Callable[[], int], expected: int, timeout: float = 60.0) -> int:
+    """``count()`` (the spans in a store), polled until ``expected`` are there (recording is asynchronous)."""
+    deadline, n = time.monotonic() + timeout, -1
     while time.monotonic() < deadline:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
-            count = con.execute("SELECT count(*) FROM spans").fetchone()[0]
-        if count >= expected:
-            return count
+        n = count()
+        if n >= expected:
+            return n
         time.sleep(0.5)
-    return count
+    return n
 
 
-def _pg_url(server: str, database: str) -> str:
-    """The URL ``server`` naming ``database`` instead of its own."""
+def _pg_url(url: str, database: str | None) -> str:
+    """``url`` (any PostgreSQL URL the store takes) as psycopg's, naming ``database`` instead (None: its own)."""
     from sqlalchemy import make_url
 
-    return make_url(server).set(database=database).render_as_string(hide_password=False)
+    u = make_url(url).set(drivername="postgresql")
+    return (u if database is None else u.set(database=database)).render_as_string(hide_password=False)
 
 
 def _pg_database(server: str, database: str, *, drop: bool = False) -> None:
     """Make (or drop) ``database`` on the PostgreSQL server of the URL ``server``."""
     import psycopg
 
-    from tracegym.gateway.traces.store.db import make_engine
-
-    dsn = make_engine(server).url.set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(dsn, autocommit=True) as con:
+    with psycopg.connect(_pg_url(server, None), autocommit=True) as con:
         con.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
         if not drop:
             con.execute(f'CREATE DATABASE "{database}"')
-
-
-def _stored_spans_pg(url: str, expected: int, timeout: float = 60.0) -> int:
-    """Spans in the PostgreSQL store at ``url``, polled until ``expected`` are there."""
-    import sqlalchemy as sa
-
-    from tracegym.gateway.traces.store.db import make_engine
-
-    engine, deadline, count = make_engine(url), time.monotonic() + timeout, -1
-    try:
-        while time.monotonic() < deadline:
-            with engine.connect() as con:
-                count = con.execute(sa.text("SELECT count(*) FROM spans")).scalar_one()
-            if count >= expected:
-                return count
-            time.sleep(0.5)
-        return count
-    finally:
-        engine.dispose()
 
 
 def _tokenizer_dir(arg: str | None) -> Path:
@@ -326,7 +318,8 @@ def _durability_both(a: argparse.Namespace, tok_dir: Path, tmp: Path, pin: tuple
             print(f"{m:10} {med(added[(m, 1)]):>+16.3f} {med(rps[(m, 32)]):>12.0f}")
         ok = True
         for m in modes:
-            stored = _stored_spans_pg(stores[m], sent[m]) if a.pg else _stored_spans(tmp / f"tg-{m}.db", sent[m])
+            count = partial(_pg_spans, stores[m]) if a.pg else partial(_sqlite_spans, tmp / f"tg-{m}.db")
+            stored = _stored_spans(count, sent[m])
             ok = ok and stored == sent[m]
             print(f"{m}: stored spans {stored} for {sent[m]} requests: {'OK' if stored == sent[m] else 'MISMATCH'}")
         return ok
@@ -414,7 +407,7 @@ def main() -> None:
         if a.apis:
             _summary(results)
         if a.store == "sqlite":
-            stored = _stored_spans(tmp / "tg.db", through)
+            stored = _stored_spans(partial(_sqlite_spans, tmp / "tg.db"), through)
             print(f"stored spans {stored} for {through} requests through the gateway (warm-up included): "
                   f"{'OK' if stored == through else 'MISMATCH'}")
             ok = stored == through

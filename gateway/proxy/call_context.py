@@ -45,11 +45,6 @@ class Prompt:
     prefix_len: int = 0
 
 
-def new_id() -> str:
-    """32 hex digits, time-ordered (``store.keys``: a new call's rows go to the end of the store's indexes)."""
-    return ordered_hex()
-
-
 def new_context(operation: str, path_rollout: str | None, headers: Any, *, id_prefix: str | None = None
                 ) -> CallContext:
     """The call's attribution and id (``id_prefix``: the API's own, e.g. ``resp_``; else by operation)."""
@@ -64,8 +59,8 @@ def new_context(operation: str, path_rollout: str | None, headers: Any, *, id_pr
             except ValueError as e:
                 raise bad_request(str(e), name) from e
     return CallContext(
-        call_id=prefix + new_id(),
-        rollout_id=rollout or f"adhoc-{new_id()}",
+        call_id=prefix + ordered_hex(),  # time-ordered: a new call's rows go to the ends of the store's indexes
+        rollout_id=rollout or f"adhoc-{ordered_hex()}",
         task_id=task_id,
         agent_name=given.get(b"x-agent-name") or None,
         adhoc=rollout is None,

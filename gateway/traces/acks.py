@@ -20,6 +20,7 @@ flight in the gateway (``in_flight``, the admission count) that has not handed i
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -68,10 +69,10 @@ def settle_now(ack: Ack | None, ok: bool) -> None:
 
 class CommitGroup:
     """The build thread's open group of calls waiting for their commit, and when it is due (see the module
-    docstring). ``queued`` is counted by the calls' event loop, ``settled`` by the thread that exports
-    (under the processor's write lock), ``lost`` by the build thread: each counter has one writer."""
+    docstring). ``queued`` is counted by the calls' event loop, ``lost`` by the build thread, ``settled``
+    by the threads that export (``add_settled``: on PostgreSQL two may commit at once)."""
 
-    __slots__ = ("built", "delay_s", "in_flight", "lost", "queued", "settled", "since")
+    __slots__ = ("_settled_lock", "built", "delay_s", "in_flight", "lost", "queued", "settled", "since")
 
     def __init__(self, delay_s: float, in_flight: Callable[[], int] | None = None) -> None:
         self.delay_s = delay_s
@@ -79,6 +80,11 @@ class CommitGroup:
         self.built: Built | None = None
         self.since = 0.0
         self.queued = self.settled = self.lost = 0
+        self._settled_lock = threading.Lock()
+
+    def add_settled(self, n: int) -> None:
+        with self._settled_lock:
+            self.settled += n
 
     def expected(self) -> int:
         """Calls in flight that have not handed in their record yet (0 when the gateway does not say)."""

@@ -117,6 +117,9 @@ class StoreSpanExporter(SpanExporter):
         self.source = source
         self.can_export_now = getattr(store, "dialect", None) == "sqlite" and hasattr(store, "insert_spans_now")
         """The store can take a batch without waiting (``export_now``): SQLite."""
+        self.writes_side_by_side = getattr(store, "dialect", None) == "postgresql"
+        """Two span batches can be in their transactions at once, on connections of their own (PostgreSQL;
+        SQLite has one writer)."""
 
     def add_span(self, batch: SpanBatch, span: ReadableSpan) -> None:
         """Append ``span``'s row to ``batch`` (an unstorable span is counted as dropped and logged)."""

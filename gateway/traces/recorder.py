@@ -76,7 +76,8 @@ class StoreSpanProcessor(SpanProcessor):
     turn ran, when the store can write without waiting (SQLite) and both threads are idle (``_commit_here``).
     Else they gather in the build thread's ``CommitGroup`` until it is due (``commit_delay_s``,
     ``in_flight``: see ``acks``); then the build thread commits the group itself when the writer is idle (a
-    thread hand-off sooner), else queues it for the writer.
+    thread hand-off sooner) or, on PostgreSQL, busy (the two transactions side by side), else queues it for
+    the writer.
     """
 
     def __init__(self, exporter: StoreSpanExporter, metrics: SpanMetrics, *, max_queue_size: int = 50_000,
@@ -100,7 +101,9 @@ class StoreSpanProcessor(SpanProcessor):
         self._wake = threading.Event()
         self._kicks: set[asyncio.AbstractEventLoop] = set()  # loops with a wake-up scheduled
         self._build_lock = threading.Lock()
-        self._write_lock = threading.Lock()  # one export at a time (the write thread's, or the builder's)
+        # One export at a time (the write thread's, or the builder's), but for a commit group written beside
+        # the writer's transaction where the store allows (``_commit_group``).
+        self._write_lock = threading.Lock()
         self._flushes = 0  # _Flush markers in ``_queue`` (under ``_flush_lock``)
         self._flush_lock = threading.Lock()
         self._shutdown = False
@@ -182,7 +185,7 @@ class StoreSpanProcessor(SpanProcessor):
                 if not built.batch:
                     return True
                 if self.exporter.export_now(built.batch):
-                    self.group.settled += len(built.acks)
+                    self.group.add_settled(len(built.acks))
                     settle(built.acks, True, here=loop)
                 else:
                     self._batches.put(built)  # the writer takes it once this thread lets go of the write lock
@@ -304,12 +307,16 @@ class StoreSpanProcessor(SpanProcessor):
         if built is None:
             return
         # The writer is idle: write the group here, a thread hand-off sooner (ordering between span batches
-        # does not matter; markers still queue behind).
+        # does not matter; markers still queue behind). The writer is busy and the store commits two
+        # transactions side by side (PostgreSQL): write it here too, beside the writer's, instead of after
+        # it (a transaction there spends most of its time waiting for the server and its WAL flush).
         if self._batches.empty() and self._write_lock.acquire(blocking=False):
             try:
                 self._export(built)
             finally:
                 self._write_lock.release()
+        elif self.exporter.writes_side_by_side and self._batches.empty():
+            self._export(built)
         else:
             self._batches.put(built)
 
@@ -350,7 +357,7 @@ class StoreSpanProcessor(SpanProcessor):
             except Exception:  # export_batch never raises; keep the writer alive regardless
                 log.exception("span write thread: unexpected error (continuing)")
                 acks = [a for b in items if type(b) is Built for a in b.acks]  # type: ignore[union-attr]
-                self.group.settled += len(acks)
+                self.group.add_settled(len(acks))
                 settle(acks, False)
             finally:
                 for _ in items:
@@ -359,7 +366,7 @@ class StoreSpanProcessor(SpanProcessor):
     def _export(self, built: Built) -> None:
         ok = self.exporter.export_batch(built.batch) is SpanExportResult.SUCCESS
         if built.acks:
-            self.group.settled += len(built.acks)
+            self.group.add_settled(len(built.acks))
             settle(built.acks, ok)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:

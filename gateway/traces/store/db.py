@@ -1,11 +1,12 @@
 """Engine construction and transaction helpers shared by the store's parts.
 
-SQLite: WAL journal, ``synchronous=NORMAL``, 16 KiB pages, a 32 MiB page cache, a busy timeout, and the
-driver's own transaction handling switched off so that write transactions start with ``BEGIN IMMEDIATE``
-(the write lock is taken up front; a deferred transaction that later writes can fail with
+SQLite: WAL journal, ``synchronous=NORMAL``, 4 KiB pages (new files), a 32 MiB page cache, a busy timeout,
+and the driver's own transaction handling switched off so that write transactions start with ``BEGIN
+IMMEDIATE`` (the write lock is taken up front; a deferred transaction that later writes can fail with
 SQLITE_BUSY_SNAPSHOT under WAL). Read transactions use a plain ``BEGIN``. A ``Database`` on SQLite
-checkpoints the WAL in a thread of its own (``checkpoint.Checkpointer``), not inside commits. PostgreSQL: psycopg 3, READ
-COMMITTED, row locks with ``FOR UPDATE SKIP LOCKED``.
+checkpoints the WAL in a thread of its own (``checkpoint.Checkpointer``), not inside commits. PostgreSQL:
+psycopg 3, READ COMMITTED, row locks with ``FOR UPDATE SKIP LOCKED``. On both, span batches are written on
+DBAPI connections of their own (``Database.span_write``), outside the pool.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from itertools import chain, repeat
 from typing import Any
@@ -39,6 +40,9 @@ touched, whole, to its write-ahead log, and a group commit of a few calls touche
 leaf of the spans table and of each index), so small pages make the default durability cheap (at c=32, 1.1-1.2x
 the calls per second of 16 KiB pages; ``docs/benchmarks.md``). Reads are as fast (a larger span continues
 on overflow pages, read through the memory map); bulk ingest is 0.85-0.9x."""
+PG_SPAN_CONNECTIONS = 4
+"""PostgreSQL span writer connections kept between batches (``Database.span_write``): the recorder's two
+threads, and OTLP ingest beside them."""
 SQLITE_CACHE_KIB = 32_768
 """Page cache per connection (allocated as used): index inserts of large batches stay in memory."""
 SQLITE_MMAP_BYTES = 1 << 30
@@ -98,14 +102,16 @@ def _no_autocheckpoint(dbapi_conn: Any, _record: Any) -> None:
 
 class Database:
     """Owns the engine; ``write()`` / ``read()`` yield a connection inside one transaction. On SQLite its
-    connections do not checkpoint the WAL as they commit: its ``Checkpointer`` thread does, after writes;
-    and span batches are written on a connection of their own (``span_write``)."""
+    connections do not checkpoint the WAL as they commit: its ``Checkpointer`` thread does, after writes.
+    Span batches are written on a connection of their own (``span_write``)."""
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
         self.dialect = engine.dialect.name
         self.checkpointer: Checkpointer | None = None
-        self._span_conn: sqlite3.Connection | None = None
+        self._span_conn: sqlite3.Connection | None = None  # SQLite's span writer
+        self._pg_span_conns: list[Any] = []  # PostgreSQL's span writers not in use
+        self._closed = False
         self._span_lock = threading.Lock()
         if self.dialect == "sqlite":
             sa.event.listen(engine, "connect", _no_autocheckpoint)
@@ -120,27 +126,47 @@ class Database:
         if self.checkpointer is not None:
             self.checkpointer.written()
 
+    def _new_span_connection(self) -> Any:
+        """A DBAPI connection made by the engine (its connect hooks run), detached from the pool for good."""
+        fairy = self.engine.raw_connection()
+        fairy.detach()
+        conn = fairy.dbapi_connection
+        if self.dialect == "postgresql":
+            # Its statements look rollouts up by primary key (rollouts.write_span_rollouts). While the table
+            # grows faster than autovacuum analyzes it, the planner takes it for a few rows and scans it whole
+            # in every batch (a plan psycopg's prepared statement then keeps): 1 ms at 6,000 rollouts, growing
+            # with the table, against 0.1 ms through the key.
+            conn.execute("SET enable_seqscan = off")
+            conn.commit()
+        return conn
+
     @contextmanager
-    def span_write(self, wait_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -> Iterator[sqlite3.Connection]:
-        """SQLite: a write transaction on the store's span writer, a DBAPI connection of its own (no pool, no
+    def span_write(self, wait_s: float = SQLITE_BUSY_TIMEOUT_MS / 1000) -> Iterator[Any]:
+        """A write transaction on the store's span writer, a DBAPI connection of its own (no pool, no
         SQLAlchemy events: a span batch is a few raw statements), committed on exit and rolled back on an
-        error. It waits up to ``wait_s`` for the write lock and for the writer, polling as SQLite's busy
+        error.
+
+        SQLite: it waits up to ``wait_s`` for the write lock and for the writer, polling as SQLite's busy
         handler does; with 0 it never waits, for a caller that must not block (an event loop). Raises
-        ``StoreBusy``, having written nothing, when the lock stayed taken (another writer's transaction) or
-        the store is not SQLite. One writer connection, so that its page cache stays valid between batches."""
+        ``StoreBusy``, having written nothing, when the lock stayed taken (another writer's transaction). One
+        writer connection, so that its page cache stays valid between batches.
+
+        PostgreSQL (``wait_s`` is ignored: the server's locks wait): a pooled connection would cost every
+        batch the pool's liveness check (a round trip) and SQLAlchemy's transaction bookkeeping, about a
+        third of a small batch's time in the writing thread. Each caller takes a writer connection of its own
+        (up to ``PG_SPAN_CONNECTIONS`` are kept between batches), so that batches commit side by side; one
+        that broke (the server restarted) is closed with the error, and the caller's retry gets a new one."""
         if self.dialect != "sqlite":
-            raise StoreBusy("only SQLite has a span writer")
+            yield from self._pg_span_transaction()
+            return
         deadline = time.monotonic() + wait_s
         if not (self._span_lock.acquire(timeout=wait_s) if wait_s > 0 else self._span_lock.acquire(False)):
             raise StoreBusy("the span writer is in use")
         try:
             conn = self._span_conn
-            if conn is None:  # the engine's connect hooks set it up; it leaves the pool for good
-                fairy = self.engine.raw_connection()
-                fairy.detach()
-                conn = fairy.dbapi_connection
+            if conn is None:  # one writer connection, kept: its page cache stays valid between batches
+                conn = self._span_conn = self._new_span_connection()
                 conn.execute("PRAGMA busy_timeout = 0")  # BUSY at once: the waiting is below, within wait_s
-                self._span_conn = conn
             for pause in chain(_BUSY_PAUSES_S, repeat(_BUSY_PAUSES_S[-1])):
                 try:
                     conn.execute("BEGIN IMMEDIATE")
@@ -164,12 +190,41 @@ class Database:
         if self.checkpointer is not None:
             self.checkpointer.written()
 
+    def _pg_span_transaction(self) -> Iterator[Any]:
+        """``span_write``'s PostgreSQL transaction: psycopg begins it with the first statement."""
+        with self._span_lock:
+            conn = self._pg_span_conns.pop() if self._pg_span_conns else None
+        if conn is None:
+            conn = self._new_span_connection()
+        try:
+            yield conn
+            conn.commit()
+        except BaseException:
+            if not (conn.broken or conn.closed):
+                with suppress(Exception):  # a rollback that fails leaves the connection broken: closed below
+                    conn.rollback()
+            raise
+        finally:
+            with self._span_lock:
+                keep = (not (self._closed or conn.broken or conn.closed)
+                        and len(self._pg_span_conns) < PG_SPAN_CONNECTIONS)
+                if keep:
+                    self._pg_span_conns.append(conn)
+            if not keep:
+                with suppress(Exception):  # a broken connection's close has nothing left to do
+                    conn.close()
+
     def close(self) -> None:
         """Dispose of the connection pool (on SQLite: checkpoint what is left first)."""
         with self._span_lock:
+            self._closed = True
+            conns, self._pg_span_conns = self._pg_span_conns, []
             if self._span_conn is not None:
-                self._span_conn.close()
+                conns.append(self._span_conn)
                 self._span_conn = None
+        for conn in conns:
+            with suppress(Exception):
+                conn.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.engine.dispose()

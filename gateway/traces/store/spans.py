@@ -16,6 +16,7 @@ from tracegym.gateway.traces.store.rollouts import write_span_rollouts
 from tracegym.gateway.traces.store.schema import spans as S
 from tracegym.gateway.traces.store.span_insert import insert_postgresql, insert_sqlite
 from tracegym.gateway.traces.store.span_rows import SpanBatch
+from tracegym.gateway.traces.store.store_errors import StoreBusy
 
 
 def _write_batch(dialect: str, raw: Any, batch: SpanBatch, *, stored: bool = False) -> int:
@@ -90,24 +91,28 @@ class SpansMixin:
         batch = rows if isinstance(rows, SpanBatch) else SpanBatch.from_dicts(rows)
         if not batch.rows:
             return 0
-        # One statement of each kind for the whole batch (see span_insert): SQLite: BEGIN IMMEDIATE, the
-        # rollouts upsert, the spans INSERT, COMMIT; PostgreSQL: the rollouts upsert, the spans COPY, COMMIT.
-        if self.db.dialect == "sqlite":
+        # One statement of each kind for the whole batch (see span_insert), on the span writer's connection:
+        # SQLite: BEGIN IMMEDIATE, the rollouts upsert, the spans INSERT, COMMIT; PostgreSQL: the rollouts
+        # upsert (psycopg sends BEGIN before it), the spans COPY, COMMIT.
+        dialect = self.db.dialect
+        if dialect == "sqlite":
             with self.db.span_write() as raw:
-                return _write_batch("sqlite", raw, batch)
+                return _write_batch(dialect, raw, batch)
         from psycopg import errors
 
         try:
-            with self.db.write() as conn:
-                return _write_batch(self.db.dialect, conn.connection.dbapi_connection, batch)
+            with self.db.span_write() as raw:
+                return _write_batch(dialect, raw, batch)
         except errors.UniqueViolation:  # a span of the batch is stored already: again, skipping those
-            with self.db.write() as conn:
-                return _write_batch(self.db.dialect, conn.connection.dbapi_connection, batch, stored=True)
+            with self.db.span_write() as raw:
+                return _write_batch(dialect, raw, batch, stored=True)
 
     def insert_spans_now(self, batch: SpanBatch) -> int:
         """``insert_spans`` of a non-empty ``batch`` without waiting for the write lock (SQLite:
         ``Database.span_write(0)``), for a caller that must not block; ``StoreBusy``, nothing written, when
-        another writer holds the lock or the store is PostgreSQL."""
+        another writer holds the lock or the store is PostgreSQL (whose writes wait on the server)."""
+        if self.db.dialect != "sqlite":
+            raise StoreBusy("only SQLite writes a span batch without waiting")
         with self.db.span_write(0) as raw:
             return _write_batch("sqlite", raw, batch)
 

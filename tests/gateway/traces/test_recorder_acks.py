@@ -221,3 +221,40 @@ def test_a_locked_sqlite_store_hands_the_commit_to_the_write_thread(sqlite_url: 
         other.close()
         store.close()
     assert sizes == [1] and threads != [threading.get_ident()]  # committed by the write thread
+
+
+class ThreadNamingStore:
+    """Records which thread wrote each batch; ``dialect`` says whether two batches may commit at once."""
+
+    def __init__(self, dialect: str) -> None:
+        self.dialect = dialect
+        self.writers: list[str] = []
+
+    def insert_spans(self, batch: object) -> int:
+        self.writers.append(threading.current_thread().name)
+        return len(batch)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("dialect", "side_by_side"), [("postgresql", True), ("sqlite", False)])
+def test_a_group_is_committed_beside_a_busy_writer_only_where_the_store_allows(dialect: str,
+                                                                               side_by_side: bool) -> None:
+    # The test holds the write lock, as the write thread does while it commits a batch: on PostgreSQL the
+    # build thread commits the group beside it; on a one-writer store the group waits for the lock.
+    store = ThreadNamingStore(dialect)
+    rec = TraceRecorder(store, schedule_delay_s=30.0)
+    assert rec.exporter.writes_side_by_side is side_by_side
+
+    async def call() -> bool:
+        ack = rec.record_durably(make_record(0))
+        done, _ = await asyncio.wait({ack}, timeout=0.5)
+        committed_while_locked = bool(done)
+        rec.processor._write_lock.release()
+        assert await asyncio.wait_for(ack, 10.0)
+        return committed_while_locked
+
+    rec.processor._write_lock.acquire()
+    try:
+        assert asyncio.run(call()) is side_by_side
+    finally:
+        rec.shutdown()
+    assert store.writers == ["tracegym-span-build" if side_by_side else "tracegym-span-write"]

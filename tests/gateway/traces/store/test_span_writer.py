@@ -1,0 +1,101 @@
+"""PostgreSQL's span writers (``Database.span_write``): connections of their own, kept between batches and made
+anew after one broke; two batches committing side by side; rollouts looked up through their key even
+before the table has statistics."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+from tests.gateway.helpers import make_record
+from tracegym.gateway.traces.call_spans import call_batch
+from tracegym.gateway.traces.reads import list_spans
+from tracegym.gateway.traces.store import Store
+from tracegym.gateway.traces.store.rollouts import _PG_SPAN_ROLLOUTS
+
+pytestmark = pytest.mark.pg
+
+
+@pytest.fixture
+def pg_store(pg_url: str):
+    store = Store.open(pg_url)
+    yield store
+    store.close()
+
+
+def _backend_pid(store: Store) -> int:
+    with store.db.span_write() as raw:
+        return raw.execute("SELECT pg_backend_pid()").fetchone()[0]
+
+
+def test_the_writer_connection_is_kept_and_made_anew_after_it_broke(pg_store: Store, pg_url: str) -> None:
+    pid = _backend_pid(pg_store)
+    assert _backend_pid(pg_store) == pid  # kept between batches, outside the pool
+    with pg_store.db.span_write() as raw:
+        assert raw.execute("SHOW enable_seqscan").fetchone()[0] == "off"
+    with psycopg.connect(pg_url.replace("+psycopg", ""), autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    batch = call_batch([make_record(0, rollout_id="ro-broken")])
+    with pytest.raises(psycopg.OperationalError):  # the exporter's retry gets here next
+        pg_store.insert_spans(batch)
+    assert pg_store.insert_spans(batch) == 1
+    assert _backend_pid(pg_store) != pid
+    assert len(list_spans(pg_store, "ro-broken")) == 1
+
+
+def test_a_failed_batch_leaves_the_connection_usable(pg_store: Store) -> None:
+    batch = call_batch([make_record(0, rollout_id="ro-again")])
+    pid = _backend_pid(pg_store)
+    with pytest.raises(psycopg.errors.DivisionByZero), pg_store.db.span_write() as raw:
+        raw.execute("SELECT 1 / 0")
+    assert pg_store.insert_spans(batch) == 1
+    assert pg_store.insert_spans(batch) == 0  # stored already: the second try skips it
+    assert _backend_pid(pg_store) == pid
+
+
+def test_two_batches_commit_side_by_side(pg_store: Store) -> None:
+    # One transaction stays open; another batch commits meanwhile on a second connection instead of
+    # waiting for it.
+    first = call_batch([make_record(i, rollout_id=f"ro-a{i}") for i in range(3)])
+    second = call_batch([make_record(i, rollout_id=f"ro-b{i}") for i in range(3)])
+    written, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold_open() -> None:
+        try:
+            with pg_store.db.span_write() as raw:
+                from tracegym.gateway.traces.store.spans import _write_batch
+
+                _write_batch("postgresql", raw, first)
+                written.set()
+                release.wait(10)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=hold_open)
+    t.start()
+    try:
+        assert written.wait(10)
+        assert pg_store.insert_spans(second) == 3
+        assert len(list_spans(pg_store, "ro-b0")) == 1 and list_spans(pg_store, "ro-a0") == []
+    finally:
+        release.set()
+        t.join(10)
+    assert not errors
+    assert len(list_spans(pg_store, "ro-a0")) == 1
+
+
+def test_rollouts_are_found_through_their_key_before_the_table_has_statistics(pg_store: Store) -> None:
+    # 2,000 rollouts and no ANALYZE yet: the planner takes the table for a few rows. The span writer's
+    # rollouts statement still looks its ids up in the primary key instead of scanning the table.
+    for start in range(0, 2000, 500):
+        pg_store.insert_spans(call_batch([make_record(i, rollout_id=f"ro-{i:05d}")
+                                          for i in range(start, start + 500)]))
+    ids = [f"ro-{i:05d}" for i in range(10)]
+    with pg_store.db.span_write() as raw:
+        cur = psycopg.ClientCursor(raw)
+        plan = "\n".join(r[0] for r in cur.execute(
+            "EXPLAIN " + _PG_SPAN_ROLLOUTS, {"rid": ids, "tid": [None] * 10, "wv": ["v9"] * 10, "t": 1.0}))
+    assert "Index Scan using rollouts_pkey on rollouts" in plan and "Seq Scan on rollouts" not in plan, plan

@@ -44,9 +44,6 @@ PG_COPY_TYPES = [
 _STAGE = "tg_spans_in"
 
 
-_PG_INSERT_ONE = f"{SPANS_INSERT_HEAD}({', '.join(['%s'] * len(COLUMNS))}){SPANS_INSERT_TAIL}"
-
-
 def rows_per_statement(dbapi_conn: Any, dialect: str, ncols: int, cap: int = MAX_ROWS_PER_STATEMENT) -> int:
     """How many rows of ``ncols`` parameters one multi-row statement may carry on this connection: within
     the bound-parameter limit (SQLite: ``SQLITE_LIMIT_VARIABLE_NUMBER``, 32,766 or 250,000 in current
@@ -73,6 +70,10 @@ def values_sql(head: str, tail: str, ncols: int, nrows: int, mark: str = "?") ->
     """``head`` + ``nrows`` parenthesized groups of ``ncols`` placeholders + ``tail``."""
     group = f"({', '.join([mark] * ncols)})"
     return f"{head}{', '.join([group] * nrows)}{tail}"
+
+
+_PG_INSERT_ONE = values_sql(SPANS_INSERT_HEAD, SPANS_INSERT_TAIL, len(COLUMNS), 1, "%s")
+"""The one-row spans insert of ``insert_postgresql``."""
 
 
 def execute_values(cur: Any, head: str, tail: str, rows: Sequence[Sequence[Any]], max_rows: int,

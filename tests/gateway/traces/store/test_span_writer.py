@@ -14,6 +14,7 @@ from tracegym.gateway.traces.call_spans import call_batch
 from tracegym.gateway.traces.reads import list_spans
 from tracegym.gateway.traces.store import Store
 from tracegym.gateway.traces.store.rollouts import _PG_SPAN_ROLLOUTS
+from tracegym.gateway.traces.store.spans import _write_batch
 
 pytestmark = pytest.mark.pg
 
@@ -66,8 +67,6 @@ def test_two_batches_commit_side_by_side(pg_store: Store) -> None:
     def hold_open() -> None:
         try:
             with pg_store.db.span_write() as raw:
-                from tracegym.gateway.traces.store.spans import _write_batch
-
                 _write_batch("postgresql", raw, first)
                 written.set()
                 release.wait(10)

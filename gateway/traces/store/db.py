@@ -132,12 +132,14 @@ class Database:
         fairy.detach()
         conn = fairy.dbapi_connection
         if self.dialect == "postgresql":
+            # Transactions are begun explicitly (_pg_span_connection): a one-span batch is one statement, which
+            # the server commits as it runs it (one round trip, no BEGIN and COMMIT of its own).
+            conn.autocommit = True
             # Its statements look rollouts up by primary key (rollouts.write_span_rollouts). While the table
             # grows faster than autovacuum analyzes it, the planner takes it for a few rows and scans it whole
             # in every batch (a plan psycopg's prepared statement then keeps): 1 ms at 6,000 rollouts, growing
             # with the table, against 0.1 ms through the key.
             conn.execute("SET enable_seqscan = off")
-            conn.commit()
         return conn
 
     @contextmanager
@@ -157,7 +159,7 @@ class Database:
         (up to ``PG_SPAN_CONNECTIONS`` are kept between batches), so that batches commit side by side; one
         that broke (the server restarted) is closed with the error, and the caller's retry gets a new one."""
         if self.dialect != "sqlite":
-            yield from self._pg_span_transaction()
+            yield from self._pg_span_connection(transaction=True)
             return
         deadline = time.monotonic() + wait_s
         if not (self._span_lock.acquire(timeout=wait_s) if wait_s > 0 else self._span_lock.acquire(False)):
@@ -190,17 +192,30 @@ class Database:
         if self.checkpointer is not None:
             self.checkpointer.written()
 
-    def _pg_span_transaction(self) -> Iterator[Any]:
-        """``span_write``'s PostgreSQL transaction: psycopg begins it with the first statement."""
+    @contextmanager
+    def span_statement(self) -> Iterator[Any]:
+        """PostgreSQL: a span writer connection (see ``span_write``) outside a transaction, for one statement
+        that the server commits as it runs it (a one-span batch with its rollouts: one round trip)."""
+        if self.dialect != "postgresql":
+            raise ValueError("span_statement is PostgreSQL's: SQLite writes spans in span_write")
+        yield from self._pg_span_connection(transaction=False)
+
+    def _pg_span_connection(self, transaction: bool) -> Iterator[Any]:
+        """A PostgreSQL span writer connection (autocommit) from the free list or new; with ``transaction``,
+        in a transaction begun here, committed on exit and rolled back on an error. Kept after, unless it
+        broke or enough are kept."""
         with self._span_lock:
             conn = self._pg_span_conns.pop() if self._pg_span_conns else None
         if conn is None:
             conn = self._new_span_connection()
         try:
+            if transaction:
+                conn.execute("BEGIN")
             yield conn
-            conn.commit()
+            if transaction:
+                conn.commit()  # psycopg sends COMMIT while the server has the transaction open
         except BaseException:
-            if not (conn.broken or conn.closed):
+            if transaction and not (conn.broken or conn.closed):
                 with suppress(Exception):  # a rollback that fails leaves the connection broken: closed below
                     conn.rollback()
             raise

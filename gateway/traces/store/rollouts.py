@@ -173,15 +173,30 @@ _SPAN_ROLLOUTS_TAIL = (" ON CONFLICT (rollout_id) DO UPDATE SET "
                        "WHERE (excluded.weight_version IS NOT NULL "
                        "AND rollouts.weight_version IS NOT excluded.weight_version) "
                        "OR (rollouts.task_id IS NULL AND excluded.task_id IS NOT NULL)")
-_PG_SPAN_ROLLOUTS = (
-    "WITH v (rid, tid, wv) AS (SELECT * FROM unnest(%(rid)s::text[], %(tid)s::text[], %(wv)s::text[])), "
+_PG_ROLLOUTS_INPUT = (
+    "WITH v (rid, tid, wv) AS (SELECT * FROM unnest(%s::text[], %s::text[], %s::text[])), "
     "ins AS (INSERT INTO rollouts (rollout_id, task_id, group_id, status, attempt, max_attempts, "
-    "reward_final, created_at, weight_version) SELECT rid, tid, NULL, 'adhoc', 1, 1, false, %(t)s, wv "
-    "FROM v ON CONFLICT (rollout_id) DO NOTHING) "
+    "reward_final, created_at, weight_version) SELECT rid, tid, NULL, 'adhoc', 1, 1, false, %s, wv "
+    "FROM v ON CONFLICT (rollout_id) DO NOTHING)")
+_PG_ROLLOUTS_UPDATE = (
     "UPDATE rollouts SET weight_version = coalesce(v.wv, rollouts.weight_version), "
     "task_id = coalesce(rollouts.task_id, v.tid) FROM v WHERE rollouts.rollout_id = v.rid "
     "AND ((v.wv IS NOT NULL AND rollouts.weight_version IS DISTINCT FROM v.wv) "
     "OR (rollouts.task_id IS NULL AND v.tid IS NOT NULL))")
+PG_SPAN_ROLLOUTS = f"{_PG_ROLLOUTS_INPUT} {_PG_ROLLOUTS_UPDATE}"
+"""The rollouts side of a span batch on PostgreSQL, one statement (``write_span_rollouts``); its parameters
+are ``pg_span_rollouts_params``."""
+PG_SPAN_ROLLOUTS_WITH = f"{_PG_ROLLOUTS_INPUT}, upd AS ({_PG_ROLLOUTS_UPDATE}) "
+"""The same as the ``WITH`` clause of a statement that goes on to write the spans (same parameters, first):
+PostgreSQL runs every data-modifying ``WITH`` part once, to completion, whether the statement reads it or not."""
+
+
+def pg_span_rollouts_params(tasks: dict[str, str | None], versions: dict[str, str]
+                            ) -> tuple[list[str], list[str | None], list[str | None], float]:
+    """The parameters of ``PG_SPAN_ROLLOUTS``: the rollouts as three arrays in id order (two span writers commit
+    side by side and take the rows' locks in one order), and the creation time of the new ones."""
+    ids = sorted(_checked_ids(tasks.items()))
+    return ids, [tasks[rid] for rid in ids], [versions.get(rid) for rid in ids], now()
 
 
 def write_span_rollouts(dialect: str, raw: Any, tasks: dict[str, str | None], versions: dict[str, str]) -> None:
@@ -206,14 +221,13 @@ def write_span_rollouts(dialect: str, raw: Any, tasks: dict[str, str | None], ve
     update finds each rollout through the primary key: the span writer's connection does not let the
     planner scan the table (``db.Database.span_write``), which it would while the table's statistics lag
     its growth."""
-    t = now()
     if dialect != "sqlite":
-        ids = sorted(_checked_ids(tasks.items()))
-        if ids:
+        params = pg_span_rollouts_params(tasks, versions)
+        if params[0]:
             with raw.cursor() as cur:
-                cur.execute(_PG_SPAN_ROLLOUTS, {"rid": ids, "tid": [tasks[rid] for rid in ids],
-                                                "wv": [versions.get(rid) for rid in ids], "t": t})
+                cur.execute(PG_SPAN_ROLLOUTS, params)
         return
+    t = now()
     get = versions.get
     rows = [(rid, tid, None, "adhoc", 1, 1, False, t, get(rid))
             for rid, tid in _checked_ids(tasks.items()).items()]

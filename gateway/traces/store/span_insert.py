@@ -7,7 +7,7 @@ runs Python each re-acquisition waits up to the switch interval; one statement's
 GIL in one piece. Hence one statement of each kind per batch, and chunk sizes from a small fixed set
 (full chunks, a partial one padded to a power of two with copies its ``ON CONFLICT`` ignores) so that the
 driver's statement cache holds them: preparing a large multi-row statement costs about as much as
-running it. PostgreSQL: binary ``COPY ... FROM STDIN`` (one span: an ``INSERT``); when a span is already
+running it. PostgreSQL: binary ``COPY ... FROM STDIN``; when a span is already
 stored (a re-sent OTLP batch) the transaction fails and is tried again with the batch going through a
 temporary table and ``INSERT ... ON CONFLICT DO NOTHING`` (a savepoint would cost two more round trips in
 every transaction, for a rare case).
@@ -72,10 +72,6 @@ def values_sql(head: str, tail: str, ncols: int, nrows: int, mark: str = "?") ->
     return f"{head}{', '.join([group] * nrows)}{tail}"
 
 
-_PG_INSERT_ONE = values_sql(SPANS_INSERT_HEAD, SPANS_INSERT_TAIL, len(COLUMNS), 1, "%s")
-"""The one-row spans insert of ``insert_postgresql``."""
-
-
 def execute_values(cur: Any, head: str, tail: str, rows: Sequence[Sequence[Any]], max_rows: int,
                    mark: str = "?") -> int:
     """Run ``head VALUES-groups tail`` over ``rows`` with as few statements as ``max_rows`` allows (see
@@ -117,13 +113,9 @@ def _copy(cur: Any, table: str, rows: Sequence[tuple]) -> None:
 def insert_postgresql(dbapi_conn: Any, rows: Sequence[tuple], *, stored: bool = False) -> int:
     """Insert span value tuples with one binary ``COPY``: ``psycopg.errors.UniqueViolation``, which aborts
     the transaction, when a span is stored already. With ``stored`` (a transaction's second try), through
-    the temporary table, skipping the stored ones; the number inserted. One row (a call alone in the
-    gateway, waiting for its commit) goes as an ``INSERT ... ON CONFLICT DO NOTHING`` instead: one round
-    trip where ``COPY`` takes two (its start, then the data), a sixth of a one-span transaction."""
+    the temporary table, skipping the stored ones; the number inserted. (A batch of one span is written
+    with its rollouts in one statement instead: ``spans._PG_ONE_SPAN``.)"""
     with dbapi_conn.cursor() as cur:
-        if len(rows) == 1:
-            cur.execute(_PG_INSERT_ONE, rows[0])  # prepared by psycopg after a few calls: a fixed text
-            return cur.rowcount
         if not stored:
             _copy(cur, "spans", rows)
             return len(rows)

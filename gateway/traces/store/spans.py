@@ -12,10 +12,20 @@ from typing import Any
 import sqlalchemy as sa
 
 from tracegym.gateway.traces.store.db import PAGE_IDS, Database
-from tracegym.gateway.traces.store.rollouts import write_span_rollouts
+from tracegym.gateway.traces.store.rollouts import (
+    PG_SPAN_ROLLOUTS_WITH,
+    pg_span_rollouts_params,
+    write_span_rollouts,
+)
 from tracegym.gateway.traces.store.schema import spans as S
-from tracegym.gateway.traces.store.span_insert import insert_postgresql, insert_sqlite
-from tracegym.gateway.traces.store.span_rows import SpanBatch
+from tracegym.gateway.traces.store.span_insert import (
+    SPANS_INSERT_HEAD,
+    SPANS_INSERT_TAIL,
+    insert_postgresql,
+    insert_sqlite,
+    values_sql,
+)
+from tracegym.gateway.traces.store.span_rows import COLUMNS, SpanBatch
 from tracegym.gateway.traces.store.store_errors import StoreBusy
 
 
@@ -26,6 +36,20 @@ def _write_batch(dialect: str, raw: Any, batch: SpanBatch, *, stored: bool = Fal
     if dialect == "postgresql":
         return insert_postgresql(raw, batch.rows, stored=stored)
     return insert_sqlite(raw, batch.rows)
+
+
+_PG_ONE_SPAN = PG_SPAN_ROLLOUTS_WITH + values_sql(SPANS_INSERT_HEAD, SPANS_INSERT_TAIL, len(COLUMNS), 1, "%s")
+"""A one-span batch on PostgreSQL: its rollouts' statement and the span's ``INSERT ... ON CONFLICT DO NOTHING``
+as one statement, which the server commits as it runs it (``Database.span_statement``): one round trip, where
+a transaction of the two takes four (BEGIN, the two, COMMIT) and the server's work for each. This is the
+transaction a call alone in the gateway waits for before its answer (``--durability commit``)."""
+
+
+def _write_one_postgresql(raw: Any, batch: SpanBatch) -> int:
+    versions = {rid: wv for rid, (_, wv) in batch.versions.items()}
+    with raw.cursor() as cur:
+        cur.execute(_PG_ONE_SPAN, (*pg_span_rollouts_params(batch.tasks, versions), *batch.rows[0]))
+        return cur.rowcount
 
 
 def _columns_sql(dialect: str, with_request: bool, columns: tuple[str, ...]) -> str:
@@ -92,14 +116,17 @@ class SpansMixin:
         if not batch.rows:
             return 0
         # One statement of each kind for the whole batch (see span_insert), on the span writer's connection:
-        # SQLite: BEGIN IMMEDIATE, the rollouts upsert, the spans INSERT, COMMIT; PostgreSQL: the rollouts
-        # upsert (psycopg sends BEGIN before it), the spans COPY, COMMIT.
+        # SQLite: BEGIN IMMEDIATE, the rollouts upsert, the spans INSERT, COMMIT; PostgreSQL: BEGIN, the
+        # rollouts upsert, the spans COPY, COMMIT (one span: one statement, _PG_ONE_SPAN).
         dialect = self.db.dialect
         if dialect == "sqlite":
             with self.db.span_write() as raw:
                 return _write_batch(dialect, raw, batch)
         from psycopg import errors
 
+        if len(batch.rows) == 1:
+            with self.db.span_statement() as raw:
+                return _write_one_postgresql(raw, batch)
         try:
             with self.db.span_write() as raw:
                 return _write_batch(dialect, raw, batch)

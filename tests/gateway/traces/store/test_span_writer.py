@@ -1,6 +1,6 @@
 """PostgreSQL's span writers (``Database.span_write``): connections of their own, kept between batches and made
 anew after one broke; two batches committing side by side; rollouts looked up through their key even
-before the table has statistics."""
+before the table has statistics; a one-span batch written in one statement."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from tests.gateway.helpers import make_record
 from tracegym.gateway.traces.call_spans import call_batch
 from tracegym.gateway.traces.reads import list_spans
 from tracegym.gateway.traces.store import Store
-from tracegym.gateway.traces.store.rollouts import _PG_SPAN_ROLLOUTS
-from tracegym.gateway.traces.store.spans import _write_batch
+from tracegym.gateway.traces.store.rollouts import PG_SPAN_ROLLOUTS
+from tracegym.gateway.traces.store.spans import _PG_ONE_SPAN, _write_batch
 
 pytestmark = pytest.mark.pg
 
@@ -93,8 +93,26 @@ def test_rollouts_are_found_through_their_key_before_the_table_has_statistics(pg
         pg_store.insert_spans(call_batch([make_record(i, rollout_id=f"ro-{i:05d}")
                                           for i in range(start, start + 500)]))
     ids = [f"ro-{i:05d}" for i in range(10)]
-    with pg_store.db.span_write() as raw:
-        cur = psycopg.ClientCursor(raw)
-        plan = "\n".join(r[0] for r in cur.execute(
-            "EXPLAIN " + _PG_SPAN_ROLLOUTS, {"rid": ids, "tid": [None] * 10, "wv": ["v9"] * 10, "t": 1.0}))
-    assert "Index Scan using rollouts_pkey on rollouts" in plan and "Seq Scan on rollouts" not in plan, plan
+    row = call_batch([make_record(5000, rollout_id="ro-00001")]).rows[0]
+    for sql, params in [(PG_SPAN_ROLLOUTS, (ids, [None] * 10, ["v9"] * 10, 1.0)),
+                        (_PG_ONE_SPAN, (ids[:1], [None], ["v9"], 1.0, *row))]:  # a one-span batch's statement
+        with pg_store.db.span_write() as raw:
+            cur = psycopg.ClientCursor(raw)
+            plan = "\n".join(r[0] for r in cur.execute("EXPLAIN " + sql, params))
+        assert "Index Scan using rollouts_pkey on rollouts" in plan and "Seq Scan on rollouts" not in plan, plan
+
+
+def test_a_one_span_batch_writes_its_rollout_in_the_same_statement(pg_store: Store) -> None:
+    # one statement, committed by the server as it runs (no transaction of the writer's around it): the
+    # rollout is created with the span's task and version, a later span's version updates it, a span sent
+    # again is skipped, and the connection is kept for the next batch
+    first = call_batch([make_record(1, rollout_id="ro-one", task_id="task-1", weight_version="v1")])
+    assert pg_store.insert_spans(first) == 1
+    pid = _backend_pid(pg_store)
+    rollout = pg_store.get_rollout("ro-one")
+    assert (rollout["task_id"], rollout["weight_version"], rollout["status"]) == ("task-1", "v1", "adhoc")
+    assert pg_store.insert_spans(call_batch([make_record(2, rollout_id="ro-one", weight_version="v2")])) == 1
+    assert pg_store.get_rollout("ro-one")["weight_version"] == "v2"
+    assert pg_store.insert_spans(first) == 0
+    assert _backend_pid(pg_store) == pid
+    assert len(list_spans(pg_store, "ro-one")) == 2

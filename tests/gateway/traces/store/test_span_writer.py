@@ -103,9 +103,9 @@ def test_rollouts_are_found_through_their_key_before_the_table_has_statistics(pg
 
 
 def test_a_one_span_batch_writes_its_rollout_in_the_same_statement(pg_store: Store) -> None:
-    # one statement, committed by the server as it runs (no transaction of the writer's around it): the
-    # rollout is created with the span's task and version, a later span's version updates it, a span sent
-    # again is skipped, and the connection is kept for the next batch
+    # the rollouts part and the span's insert in one statement (spans._PG_ONE_SPAN): the rollout is created
+    # with the span's task and version, a later span's version updates it, a span sent again is skipped, and
+    # the writer connection is kept for the next batch
     first = call_batch([make_record(1, rollout_id="ro-one", task_id="task-1", weight_version="v1")])
     assert pg_store.insert_spans(first) == 1
     pid = _backend_pid(pg_store)

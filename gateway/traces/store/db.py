@@ -6,7 +6,8 @@ IMMEDIATE`` (the write lock is taken up front; a deferred transaction that later
 SQLITE_BUSY_SNAPSHOT under WAL). Read transactions use a plain ``BEGIN``. A ``Database`` on SQLite
 checkpoints the WAL in a thread of its own (``checkpoint.Checkpointer``), not inside commits. PostgreSQL:
 psycopg 3, READ COMMITTED, row locks with ``FOR UPDATE SKIP LOCKED``. On both, span batches are written on
-DBAPI connections of their own (``Database.span_write``), outside the pool.
+DBAPI connections of their own (``Database.span_write``; on PostgreSQL a one-span batch as one statement,
+``Database.span_statement``), outside the pool.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ runs Python each re-acquisition waits up to the switch interval; one statement's
 GIL in one piece. Hence one statement of each kind per batch, and chunk sizes from a small fixed set
 (full chunks, a partial one padded to a power of two with copies its ``ON CONFLICT`` ignores) so that the
 driver's statement cache holds them: preparing a large multi-row statement costs about as much as
-running it. PostgreSQL: binary ``COPY ... FROM STDIN``; when a span is already
-stored (a re-sent OTLP batch) the transaction fails and is tried again with the batch going through a
-temporary table and ``INSERT ... ON CONFLICT DO NOTHING`` (a savepoint would cost two more round trips in
-every transaction, for a rare case).
+running it. PostgreSQL: binary ``COPY ... FROM STDIN``; when a span is already stored (a re-sent OTLP
+batch) the transaction fails and is tried again with the batch going through a temporary table and ``INSERT
+... ON CONFLICT DO NOTHING`` (a savepoint would cost two more round trips in every transaction, for a rare
+case). A batch of one span is written with its rollouts in one statement instead (``spans._PG_ONE_SPAN``).
 """
 
 from __future__ import annotations

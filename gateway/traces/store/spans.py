@@ -29,10 +29,15 @@ from tracegym.gateway.traces.store.span_rows import COLUMNS, SpanBatch
 from tracegym.gateway.traces.store.store_errors import StoreBusy
 
 
+def _latest_versions(batch: SpanBatch) -> dict[str, str]:
+    """``{rollout_id: weight_version}`` of each rollout's latest span in ``batch``."""
+    return {rid: wv for rid, (_, wv) in batch.versions.items()}
+
+
 def _write_batch(dialect: str, raw: Any, batch: SpanBatch, *, stored: bool = False) -> int:
     """The statements of a span batch in the open transaction of the DBAPI connection ``raw`` (``stored``:
     see ``insert_postgresql``)."""
-    write_span_rollouts(dialect, raw, batch.tasks, {rid: wv for rid, (_, wv) in batch.versions.items()})
+    write_span_rollouts(dialect, raw, batch.tasks, _latest_versions(batch))
     if dialect == "postgresql":
         return insert_postgresql(raw, batch.rows, stored=stored)
     return insert_sqlite(raw, batch.rows)
@@ -46,9 +51,10 @@ transaction a call alone in the gateway waits for before its answer (``--durabil
 
 
 def _write_one_postgresql(raw: Any, batch: SpanBatch) -> int:
-    versions = {rid: wv for rid, (_, wv) in batch.versions.items()}
+    """``_PG_ONE_SPAN`` for a batch of one span on the autocommit connection ``raw``; 0 when it was stored."""
+    rollouts = pg_span_rollouts_params(batch.tasks, _latest_versions(batch))
     with raw.cursor() as cur:
-        cur.execute(_PG_ONE_SPAN, (*pg_span_rollouts_params(batch.tasks, versions), *batch.rows[0]))
+        cur.execute(_PG_ONE_SPAN, (*rollouts, *batch.rows[0]))
         return cur.rowcount
 
 

@@ -116,3 +116,17 @@ def test_a_one_span_batch_writes_its_rollout_in_the_same_statement(pg_store: Sto
     assert pg_store.insert_spans(first) == 0
     assert _backend_pid(pg_store) == pid
     assert len(list_spans(pg_store, "ro-one")) == 2
+
+
+def test_a_one_span_batch_of_no_rollout_is_its_insert_alone(pg_store: Store) -> None:
+    # no rollouts part (spans._PG_SPAN_ALONE): the span is stored, no rollout is made, a span sent again is
+    # skipped, and a rollout's span after it still gets its rollout
+    alone = call_batch([make_record(1, rollout_id=None)])
+    assert not alone.tasks
+    assert pg_store.insert_spans(alone) == 1
+    assert pg_store.insert_spans(alone) == 0
+    with pg_store.db.span_write() as raw:
+        assert raw.execute("SELECT count(*), count(rollout_id) FROM spans").fetchone() == (1, 0)
+        assert raw.execute("SELECT count(*) FROM rollouts").fetchone() == (0,)
+    assert pg_store.insert_spans(call_batch([make_record(2, rollout_id="ro-after", weight_version="v3")])) == 1
+    assert pg_store.get_rollout("ro-after")["weight_version"] == "v3"

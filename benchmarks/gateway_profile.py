@@ -1,10 +1,12 @@
 """Where the gateway's CPU goes per recorded call: py-spy samples the gateway process (every thread, only
 while it runs on a CPU) while the load generator of ``benchmarks.gateway_overhead`` sends calls (chat, or
-the same call through ``--op responses|messages``; ``--stream``: streamed) at
-concurrency 32 to a zero-latency SGLang fake, and the samples are grouped by the stage they were in.
+the same call through ``--op responses|messages``; ``--stream``: streamed) at ``--concurrency`` (32) to a
+zero-latency SGLang fake, recording on SQLite (``--pg URL``: on PostgreSQL), and the samples are grouped by
+the stage they were in.
 
     python -m benchmarks.gateway_profile [--durability commit|async|both] [--requests 12000] [--rate 250]
                                          [--top 4] [--gil] [--stream] [--op chat|responses|messages]
+                                         [--concurrency 32] [--pg URL]
 
 A sample goes to the stage of the innermost project frame on its stack (``gateway/traces``: recording the
 span, store included; ``gateway/proxy/prompt``: rendering and tokenizing the prompt; ``gateway/proxy/upstream``:
@@ -25,11 +27,14 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from benchmarks.gateway_overhead import (
     _bodies,
     _cpu_seconds,
+    _pg_database,
+    _pg_url,
     _run_load,
     _tokenizer_dir,
     start_fake,
@@ -92,8 +97,13 @@ def read_raw(path: Path) -> list[tuple[list[str], int]]:
 
 
 def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Namespace) -> None:
-    """One gateway in ``mode``: warm up, then the load at c=32 under py-spy; prints its stage table."""
-    gw, gport = start_gateway(fport, tok_dir, f"sqlite:///{tmp / f'tg-{mode}.db'}", mode, tmp, f"gw-{mode}", [])
+    """One gateway in ``mode``: warm up, then the load at ``--concurrency`` under py-spy; prints its stage
+    table. ``--pg``: the gateway records on a database of its own on that server, dropped after."""
+    database = f"tg_profile_{mode}_{uuid.uuid4().hex[:8]}"
+    if a.pg:
+        _pg_database(a.pg, database)
+    store = _pg_url(a.pg, database) if a.pg else f"sqlite:///{tmp / f'tg-{mode}.db'}"
+    gw, gport = start_gateway(fport, tok_dir, store, mode, tmp, f"gw-{mode}", [])
     try:
         body, path = _bodies(a.op, str(tok_dir), False)
         if a.stream:
@@ -106,7 +116,7 @@ def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Na
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             cpu0, t0 = _cpu_seconds(gw.proc.pid), time.monotonic()
-            load = _run_load(url, body, 32, a.requests, tmp, [])  # the call of benchmarks.gateway_overhead
+            load = _run_load(url, body, a.concurrency, a.requests, tmp, [])  # as benchmarks.gateway_overhead
             cpu_us = 1e6 * (_cpu_seconds(gw.proc.pid) - cpu0) / (a.requests + 200)  # + its 200 warm-up calls
             seconds = time.monotonic() - t0
         finally:
@@ -117,6 +127,8 @@ def profile_mode(mode: str, fport: int, tok_dir: Path, tmp: Path, a: argparse.Na
         report(mode, read_raw(out), cpu_us, load, a, seconds)
     finally:
         gw.stop()
+        if a.pg:
+            _pg_database(a.pg, database, drop=True)
 
 
 def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: dict, a: argparse.Namespace,
@@ -132,7 +144,9 @@ def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: 
         stages[stage] += n
         leaves[stage][frames[-1]] += n
     streamed = " (streamed calls)" if a.stream else ""
-    print(f"\n--durability {mode}, {a.op}{streamed}: {load.get('rps', 0):.0f} req/s at c=32, gateway CPU "
+    store = "PostgreSQL" if a.pg else "SQLite"
+    print(f"\n--durability {mode}, {a.op}{streamed}, {store}: {load.get('rps', 0):.0f} req/s at "
+          f"c={a.concurrency}, gateway CPU "
           f"{cpu_us:.0f} µs per call (all threads), {total} samples")
     if a.gil:
         print(f"GIL held in {100 * total / (a.rate * seconds):.0f} % of the samples py-spy meant to take "
@@ -148,7 +162,10 @@ def report(mode: str, stacks: list[tuple[list[str], int]], cpu_us: float, load: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--durability", choices=["commit", "async", "both"], default="both")
-    p.add_argument("--requests", type=int, default=12000, help="calls sampled per mode, at c=32")
+    p.add_argument("--requests", type=int, default=12000, help="calls sampled per mode")
+    p.add_argument("--concurrency", type=int, default=32, help="clients sending at once")
+    p.add_argument("--pg", default=None, metavar="URL",
+                   help="record on PostgreSQL: a database of its own on this server (default: SQLite)")
     p.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     p.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil)")
     p.add_argument("--top", type=int, default=4, help="innermost functions listed per stage")

@@ -26,11 +26,17 @@ def test_a_short_run_prints_each_write_and_drops_its_database(
 ) -> None:
     server = pg_database.replace("postgresql+psycopg://", "postgresql://", 1)
     before = _floor_databases()
-    monkeypatch.setattr(sys, "argv", ["pg_commit_floor", "--pg", server, "--calls", "5", "--rounds", "2"])
+    argv = ["pg_commit_floor", "--pg", server, "--calls", "5", "--rounds", "2", "--idle-ms", "0.5"]
+    monkeypatch.setattr(sys, "argv", argv)
     pg_commit_floor.main()
     out = capsys.readouterr().out
-    for name in ("round trip (SELECT 1)", "one-row INSERT, flushed", "store's one-span batch, not flushed"):
-        line = next(line for line in out.splitlines() if line.strip().startswith(name))
+    rows = [line for line in out.splitlines() if line.startswith("  ")]
+    assert len(rows) == 14  # 7 writes, back to back and after idle
+    for name in ("round trip (SELECT 1), after idle", "one-row INSERT, flushed, back to back",
+                 "one-span batch, no rollout, not flushed, after idle", "one-span batch, a new rollout's, flushed"):
+        line = next(line for line in rows if line.strip().startswith(name))
         assert len(re.findall(r"\d+\.\d{3}", line)) == 2  # one median per round
-    assert re.search(r"the store's one-span batch [\d.]+-[\d.]+ ms, [\d.]+-[\d.]+x the least durable write", out)
+    for when in ("back to back", "after idle"):
+        assert re.search(rf"^{when}: the least durable write [\d.]+-[\d.]+ ms, the store's one-span batch "
+                         r"[\d.]+-[\d.]+ ms \(no rollout\)", out, flags=re.M)
     assert _floor_databases() == before

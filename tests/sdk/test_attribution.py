@@ -30,6 +30,14 @@ REPO = Path(__file__).resolve().parents[2]
 MSGS = [{"role": "user", "content": "hi"}]
 
 
+@pytest.fixture(autouse=True)
+def _short_span_lag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fake gateway has a call's span as soon as it answered: the check's pauses for a real gateway's
+    recording lag (``SPAN_LAG_WAITS``, a second in all) would only make each flagged rollout here a second
+    longer. (A script run in a process of its own keeps them.)"""
+    monkeypatch.setattr("tracegym.attribution.SPAN_LAG_WAITS", (0.01, 0.02))
+
+
 def join_checks() -> None:
     """Wait for the checks running in the background (their threads are named after the rollout)."""
     for t in threading.enumerate():

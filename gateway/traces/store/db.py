@@ -141,6 +141,10 @@ class Database:
             # in every batch (a plan psycopg's prepared statement then keeps): 1 ms at 6,000 rollouts, growing
             # with the table, against 0.1 ms through the key.
             conn.execute("SET enable_seqscan = off")
+            # psycopg prepares a statement it runs often; the server would still plan each run of the span
+            # statements anew (their parameters are arrays, so a custom plan keeps looking cheaper than the
+            # generic one): 0.1 ms of a one-span statement's 0.4. One plan for all, through the key as above.
+            conn.execute("SET plan_cache_mode = force_generic_plan")
         return conn
 
     @contextmanager

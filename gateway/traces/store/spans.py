@@ -43,26 +43,18 @@ def _write_batch(dialect: str, raw: Any, batch: SpanBatch, *, stored: bool = Fal
     return insert_sqlite(raw, batch.rows)
 
 
-_PG_SPAN_ALONE = values_sql(SPANS_INSERT_HEAD, SPANS_INSERT_TAIL, len(COLUMNS), 1, "%s")
-_PG_ONE_SPAN = PG_SPAN_ROLLOUTS_WITH + _PG_SPAN_ALONE
+_PG_ONE_SPAN = PG_SPAN_ROLLOUTS_WITH + values_sql(SPANS_INSERT_HEAD, SPANS_INSERT_TAIL, len(COLUMNS), 1, "%s")
 """A one-span batch on PostgreSQL: its rollouts' statement and the span's ``INSERT ... ON CONFLICT DO NOTHING``
 as one statement, which the server commits as it runs it (``Database.span_statement``): one round trip, where
 a transaction of the two takes four (BEGIN, the two, COMMIT) and the server's work for each. This is the
-transaction a call alone in the gateway waits for before its answer (``--durability commit``). A span of no
-rollout is its ``INSERT`` alone (``_PG_SPAN_ALONE``): the rollouts' part costs the server about as much as the
-insert even with nothing to write (it opens the rollouts table and its six indexes for the insert and the
-update)."""
+transaction a call alone in the gateway waits for before its answer (``--durability commit``)."""
 
 
 def _write_one_postgresql(raw: Any, batch: SpanBatch) -> int:
-    """``_PG_ONE_SPAN`` (``_PG_SPAN_ALONE`` for a span of no rollout) for a batch of one span on the autocommit
-    connection ``raw``; 0 when it was stored."""
+    """``_PG_ONE_SPAN`` for a batch of one span on the autocommit connection ``raw``; 0 when it was stored."""
+    rollouts = pg_span_rollouts_params(batch.tasks, _latest_versions(batch))
     with raw.cursor() as cur:
-        if batch.tasks:
-            rollouts = pg_span_rollouts_params(batch.tasks, _latest_versions(batch))
-            cur.execute(_PG_ONE_SPAN, (*rollouts, *batch.rows[0]))
-        else:
-            cur.execute(_PG_SPAN_ALONE, batch.rows[0])
+        cur.execute(_PG_ONE_SPAN, (*rollouts, *batch.rows[0]))
         return cur.rowcount
 
 

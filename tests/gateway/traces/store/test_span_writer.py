@@ -102,6 +102,20 @@ def test_rollouts_are_found_through_their_key_before_the_table_has_statistics(pg
         assert "Index Scan using rollouts_pkey on rollouts" in plan and "Seq Scan on rollouts" not in plan, plan
 
 
+def test_the_writers_prepared_statements_are_planned_once(pg_store: Store) -> None:
+    # psycopg prepares the span statements once they ran five times; the server then runs its generic plan
+    # (the one checked above) instead of planning each run for its parameters
+    for i in range(8):
+        pg_store.insert_spans(call_batch([make_record(i, rollout_id=f"ro-one-{i}")]))
+        pg_store.insert_spans(call_batch([make_record(10 * i + k, rollout_id=f"ro-two-{i}") for k in range(2)]))
+    with pg_store.db.span_write() as raw:
+        rows = raw.execute("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements").fetchall()
+    runs = {statement.split()[0] + (" spans" if "INSERT INTO spans" in statement else ""): (generic, custom)
+            for statement, generic, custom in rows if "rollouts" in statement}
+    assert set(runs) == {"WITH", "WITH spans"}, rows  # the batches' rollouts statement, the one-span statement
+    assert all(generic >= 3 and custom == 0 for generic, custom in runs.values()), runs
+
+
 def test_a_one_span_batch_writes_its_rollout_in_the_same_statement(pg_store: Store) -> None:
     # the rollouts part and the span's insert in one statement (spans._PG_ONE_SPAN): the rollout is created
     # with the span's task and version, a later span's version updates it, a span sent again is skipped, and
@@ -118,9 +132,9 @@ def test_a_one_span_batch_writes_its_rollout_in_the_same_statement(pg_store: Sto
     assert len(list_spans(pg_store, "ro-one")) == 2
 
 
-def test_a_one_span_batch_of_no_rollout_is_its_insert_alone(pg_store: Store) -> None:
-    # no rollouts part (spans._PG_SPAN_ALONE): the span is stored, no rollout is made, a span sent again is
-    # skipped, and a rollout's span after it still gets its rollout
+def test_a_one_span_batch_of_no_rollout_makes_no_rollout(pg_store: Store) -> None:
+    # the one-span statement with empty rollout arrays (an OTLP span of no rollout): the span is stored, no
+    # rollout is made, a span sent again is skipped, and a rollout's span after it still gets its rollout
     alone = call_batch([make_record(1, rollout_id=None)])
     assert not alone.tasks
     assert pg_store.insert_spans(alone) == 1

@@ -11,7 +11,8 @@ On a database of its own (made, then dropped), each round measures the median of
   transaction, committed with ``synchronous_commit`` on (the server flushes its WAL before it answers), and
   the same with it off (no flush waited for);
 - the store's one-span batch (``Store.insert_spans`` of one call's span: one statement on the span writer's
-  connection), for a span of a new rollout and for a span of no rollout, the same two ways;
+  connection), for a span of a new rollout (a call of no rollout gets an ad-hoc one of its own; an agent run's
+  first call) and for a later span of its rollout, the same two ways;
 
 each back to back, and after ``--idle-ms`` of idleness before each: as a call alone finds the server, asleep
 since the last call's commit (2.5 ms is about a call's cycle at c=1 through the gateway in commit mode); on a
@@ -26,7 +27,6 @@ latency at c=1 below that INSERT cannot be met on that server, whatever the gate
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 import uuid
@@ -42,8 +42,8 @@ from tracegym.gateway.traces.store.span_rows import SpanBatch
 
 ROUND_TRIP = "round trip (SELECT 1)"
 LEAST = "one-row INSERT"
-SPAN_OF_ROLLOUT = "one-span batch, a new rollout's"
-SPAN_ALONE = "one-span batch, no rollout"
+SPAN_NEW = "one-span batch, a new rollout's"
+SPAN_LATER = "one-span batch, its rollout's next"
 
 
 def _median_ms(calls: int, idle_s: float, step: Callable[[], object]) -> float:
@@ -85,14 +85,13 @@ def _round(store: Store, raw: Any, spans: dict[str, list[SpanBatch]], calls: int
 
 
 def _spans(n: int, seed: int) -> dict[str, list[SpanBatch]]:
-    """``n`` one-span batches of each kind (every span of a rollout of its own, as a new agent run's first)."""
-    records = make_records(n, n_rollouts=n, seed=seed)
-    for i, r in enumerate(records):
-        r.rollout_id, r.call_id = f"ro-floor-{seed}-{i}", f"chatcmpl-floor-{seed}-{i}"
-    alone = [dataclasses.replace(r, rollout_id=None, task_id=None) for r in make_records(n, seed=seed + 1000)]
-    for i, r in enumerate(alone):
-        r.call_id = f"chatcmpl-alone-{seed}-{i}"
-    return {SPAN_OF_ROLLOUT: [call_batch([r]) for r in records], SPAN_ALONE: [call_batch([r]) for r in alone]}
+    """``n`` one-span batches of each kind: the first span of a rollout of its own, and a second span of each
+    of those rollouts (its version unchanged), in the order they are written."""
+    first, later = make_records(n, n_rollouts=n, seed=seed), make_records(n, n_rollouts=n, seed=seed)
+    for i, (a, b) in enumerate(zip(first, later, strict=True)):
+        a.rollout_id = b.rollout_id = f"ro-floor-{seed}-{i}"
+        a.call_id, b.call_id = f"chatcmpl-floor-{seed}-{i}-0", f"chatcmpl-floor-{seed}-{i}-1"
+    return {SPAN_NEW: [call_batch([r]) for r in first], SPAN_LATER: [call_batch([r]) for r in later]}
 
 
 def main() -> None:
@@ -136,8 +135,8 @@ def main() -> None:
 
     for when in ("back to back", "after idle"):
         print(f"{when}: the least durable write {spread(f'{LEAST}, flushed, {when}')}, the store's one-span batch "
-              f"{spread(f'{SPAN_ALONE}, flushed, {when}')} (no rollout), {spread(f'{SPAN_OF_ROLLOUT}, flushed, {when}')}"
-              " (a new rollout's)")
+              f"{spread(f'{SPAN_NEW}, flushed, {when}')} (a new rollout's), "
+              f"{spread(f'{SPAN_LATER}, flushed, {when}')} (its rollout's next)")
 
 
 if __name__ == "__main__":

@@ -33,10 +33,10 @@ def test_a_short_run_prints_each_write_and_drops_its_database(
     rows = [line for line in out.splitlines() if line.startswith("  ")]
     assert len(rows) == 14  # 7 writes, back to back and after idle
     for name in ("round trip (SELECT 1), after idle", "one-row INSERT, flushed, back to back",
-                 "one-span batch, no rollout, not flushed, after idle", "one-span batch, a new rollout's, flushed"):
+                 "one-span batch, its rollout's next, not flushed, after idle", "one-span batch, a new rollout's, flushed"):
         line = next(line for line in rows if line.strip().startswith(name))
         assert len(re.findall(r"\d+\.\d{3}", line)) == 2  # one median per round
     for when in ("back to back", "after idle"):
         assert re.search(rf"^{when}: the least durable write [\d.]+-[\d.]+ ms, the store's one-span batch "
-                         r"[\d.]+-[\d.]+ ms \(no rollout\)", out, flags=re.M)
+                         r"[\d.]+-[\d.]+ ms \(a new rollout's\)", out, flags=re.M)
     assert _floor_databases() == before

@@ -94,17 +94,23 @@ def test_rollouts_are_found_through_their_key_before_the_table_has_statistics(pg
                                           for i in range(start, start + 500)]))
     ids = [f"ro-{i:05d}" for i in range(10)]
     row = call_batch([make_record(5000, rollout_id="ro-00001")]).rows[0]
-    for sql, params in [(PG_SPAN_ROLLOUTS, (ids, [None] * 10, ["v9"] * 10, 1.0)),
-                        (_PG_ONE_SPAN, (ids[:1], [None], ["v9"], 1.0, *row))]:  # a one-span batch's statement
+    for k, (sql, params) in enumerate([(PG_SPAN_ROLLOUTS, (ids, [None] * 10, ["v9"] * 10, 1.0)),
+                                       (_PG_ONE_SPAN, (ids[:1], [None], ["v9"], 1.0, *row))]):  # one span's
         with pg_store.db.span_write() as raw:
             cur = psycopg.ClientCursor(raw)
             plan = "\n".join(r[0] for r in cur.execute("EXPLAIN " + sql, params))
-        assert "Index Scan using rollouts_pkey on rollouts" in plan and "Seq Scan on rollouts" not in plan, plan
+            # and the plan the writer's prepared statement runs: the generic one (plan_cache_mode), for any values
+            head, *rest = sql.split("%s")
+            cur.execute(f"PREPARE plan_check_{k} AS " + head + "".join(f"${i}{p}" for i, p in enumerate(rest, 1)))
+            generic = "\n".join(r[0] for r in cur.execute(
+                f"EXPLAIN EXECUTE plan_check_{k} ({', '.join(['%s'] * len(params))})", params))
+        for p in (plan, generic):
+            assert "Index Scan using rollouts_pkey on rollouts" in p and "Seq Scan on rollouts" not in p, p
 
 
 def test_the_writers_prepared_statements_are_planned_once(pg_store: Store) -> None:
     # psycopg prepares the span statements once they ran five times; the server then runs its generic plan
-    # (the one checked above) instead of planning each run for its parameters
+    # (checked above) instead of planning each run for its values
     for i in range(8):
         pg_store.insert_spans(call_batch([make_record(i, rollout_id=f"ro-one-{i}")]))
         pg_store.insert_spans(call_batch([make_record(10 * i + k, rollout_id=f"ro-two-{i}") for k in range(2)]))

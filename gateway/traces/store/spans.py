@@ -128,11 +128,11 @@ class SpansMixin:
         if dialect == "sqlite":
             with self.db.span_write() as raw:
                 return _write_batch(dialect, raw, batch)
-        from psycopg import errors
-
         if len(batch.rows) == 1:
             with self.db.span_statement() as raw:
                 return _write_one_postgresql(raw, batch)
+        from psycopg import errors
+
         try:
             with self.db.span_write() as raw:
                 return _write_batch(dialect, raw, batch)

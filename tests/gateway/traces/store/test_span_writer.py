@@ -101,7 +101,7 @@ def test_rollouts_are_found_through_their_key_before_the_table_has_statistics(pg
             plan = "\n".join(r[0] for r in cur.execute("EXPLAIN " + sql, params))
             # and the plan the writer's prepared statement runs: the generic one (plan_cache_mode), for any values
             head, *rest = sql.split("%s")
-            cur.execute(f"PREPARE plan_check_{k} AS " + head + "".join(f"${i}{p}" for i, p in enumerate(rest, 1)))
+            cur.execute(f"PREPARE plan_check_{k} AS " + head + "".join(f"${i}{part}" for i, part in enumerate(rest, 1)))
             generic = "\n".join(r[0] for r in cur.execute(
                 f"EXPLAIN EXECUTE plan_check_{k} ({', '.join(['%s'] * len(params))})", params))
         for p in (plan, generic):

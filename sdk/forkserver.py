@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -46,6 +47,14 @@ PRELOAD = (
     "tracegym.engine.endpoints", "tracegym.engine.runtime", "tracegym.modelfiles.prepare", "uvicorn",
     "transformers.models.auto.modeling_auto", "transformers.core_model_loading", "transformers.masking_utils",
     "transformers.generation.continuous_batching", "transformers.models.llama.modeling_llama",
+    # what a gateway imports as it builds its app and starts (its store's routes, the span recorder and
+    # exporter, the server's protocol and loop, SQLite's dialect)
+    "tracegym.gateway.api.control", "tracegym.gateway.api.imports", "tracegym.gateway.api.otlp",
+    "tracegym.gateway.api.trajectories", "tracegym.gateway.api.ui", "tracegym.gateway.api.waits",
+    "tracegym.gateway.proxy.connections", "tracegym.gateway.proxy.prefix_lookup",
+    "tracegym.gateway.proxy.prompt.prefix_reuse", "tracegym.gateway.traces.recorder",
+    "tracegym.gateway.traces.exporter", "uvicorn.loops.uvloop", "uvicorn.protocols.http.httptools_impl",
+    "uvicorn.protocols.websockets.websockets_sansio_impl", "sqlalchemy.dialects.sqlite.pysqlite",
 )
 """What the server imports before it serves: what a gateway and an embedded engine on a Llama-shaped model
 import. A child imports anything else itself."""
@@ -255,6 +264,12 @@ def serve(path: str, preload: Sequence[str] = PRELOAD) -> None:
             importlib.import_module(name)
         except ImportError as e:  # a missing extra: its children import what they can themselves
             print(f"fork server: not preloaded: {name} ({e})", file=sys.stderr)
+    # what the children inherit leaves the collector's generations: a child's collections (the automatic
+    # full ones, a gateway's own at start) then scan only the objects it made, instead of every object of
+    # the modules preloaded here, and leave the memory pages it shares with this server unwritten (a
+    # full collection writes to every object it scans, and the kernel then copies each page it touches)
+    gc.collect()
+    gc.freeze()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         old = os.umask(0o177)
         try:

@@ -38,6 +38,7 @@ def test_a_child_gets_the_argv_environment_folder_session_and_log_it_asked_for(s
     assert f"argv=['3', 'x y'] cwd={tmp_path} marker=m1 main=__main__ sid=True stdin=''" in text
     assert "to stderr" in text
     assert "RuntimeWarning" not in text
+    assert "routes=True frozen=True" in text  # preloaded, and its collections leave the server's objects alone
 
 
 def test_signals_reach_the_child_and_its_exit_code_says_which(server: str, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ models prepared once per session. Free ports and real child processes (always cl
 
 from __future__ import annotations
 
+import gc
 import os
 import ssl
 from collections.abc import Iterator
@@ -55,6 +56,35 @@ def skip_learning_where_slow(items: list[pytest.Item]) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     share_one_verified_ssl_context()
+
+
+LAST_MODULE = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection made (the test modules, the libraries they import: torch, transformers, the client
+    SDKs, millions of objects) leaves the garbage collector's generations: ``freeze_the_heap``."""
+    freeze_the_heap()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """At each new test module (the one before has torn its fixtures down), what is alive then leaves the
+    collector's generations: ``freeze_the_heap``."""
+    module = item.nodeid.split("::", 1)[0]
+    if item.session.stash.get(LAST_MODULE, module) != module:
+        freeze_the_heap()
+    item.session.stash[LAST_MODULE] = module
+
+
+def freeze_the_heap() -> None:
+    """Collect, then move every object alive out of the garbage collector's generations (``gc.freeze``),
+    so that the full collections a test's garbage sets off scan only the objects made since. Without it a
+    worker's full collections scanned every module imported so far, again and again: 9-11 s of its CPU
+    over a fast suite, 5.7-9.3 s when frozen once after collection (the modules tests import later, the
+    models they load). An object frozen while alive is never collected if it later becomes garbage in a
+    cycle; at a module's boundary what is alive is the session's."""
+    gc.collect()
+    gc.freeze()
 
 
 def share_one_verified_ssl_context() -> None:

@@ -134,16 +134,19 @@ class ForkedChild:
 
 
 def spawn(server: str, argv: Sequence[str], *, env: dict[str, str], cwd: str | Path | None,
-          log_path: Path | None) -> ForkedChild:
+          log_path: Path | None, fds: tuple[int, int] | None = None) -> ForkedChild:
     """Have the fork server at ``server`` start ``argv`` (a ``python -m`` command: ``module_argv``), its
-    output appended to ``log_path``, or on this process's stdout and stderr."""
+    output appended to ``log_path``, or on this process's stdout and stderr, or on ``fds`` (the descriptors
+    for its stdout and its stderr: pipes the caller reads) where given."""
     parsed = module_argv(argv)
     if parsed is None:
         raise ValueError(f"the fork server runs only `{sys.executable} -m MODULE ...`, not {list(argv)}")
     module, args = parsed
     request = {"op": "spawn", "module": module, "args": args, "env": env,
                "cwd": str(Path(cwd or os.getcwd()).resolve())}
-    if log_path is None:
+    if fds is not None:
+        reply = _ask(server, request, fds=fds)
+    elif log_path is None:
         sys.stdout.flush()
         sys.stderr.flush()
         reply = _ask(server, request, fds=(1, 2))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import selectors
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -15,13 +18,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tracegym import forkserver
 from tracegym.forkserver import FORKSERVER_ENV
-from tracegym.procs import ManagedProcess, free_port, start_process
+from tracegym.procs import ManagedProcess, free_port, start_process, tracegym_argv
 
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 __all__ = ["PG_ADMIN_URL", "ManagedProcess", "empty_pg_database", "fork_server", "free_port", "fresh_pg_database",
-           "pg_available", "start_process"]
+           "pg_available", "run_command", "start_process"]
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_PRELOAD = ("benchmarks.fake_sglang", "transformers.models.qwen3.modeling_qwen3")
@@ -58,6 +62,60 @@ def fork_server(log_path: Path, timeout: float = 120.0) -> Iterator[str]:
         proc.terminate()
         proc.wait(timeout=30)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_command(argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str] | None = None,
+                timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout)`` for a command a test runs to
+    its end (``env``, where given, is the child's whole environment, as with ``subprocess.run``). A ``python
+    -m`` command (``tracegym ...`` included) is forked from this worker's fork server while one runs
+    (``fork_server``): a fresh interpreter spends most of a short command importing the CLI and what it
+    runs. Its stdin is ``/dev/null``."""
+    full = tracegym_argv(argv)
+    server = os.environ.get(FORKSERVER_ENV)
+    if not server or forkserver.module_argv(full) is None:
+        return subprocess.run(full, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        child = forkserver.spawn(server, full, env=dict(os.environ if env is None else env), cwd=cwd,
+                                 log_path=None, fds=(out_w, err_w))
+    except OSError:  # the server is gone: run it as usual
+        os.close(out_r)
+        os.close(err_r)
+        return subprocess.run(full, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        for fd in chunks:
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in sel.select(left):
+                if data := os.read(key.fd, 1 << 16):
+                    chunks[key.fd].append(data)
+                else:
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
+        timed_out = bool(sel.get_map())
+        for key in list(sel.get_map().values()):
+            os.close(key.fd)
+    out, err = (b"".join(chunks[fd]).decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
+                for fd in (out_r, err_r))  # as text=True reads them: universal newlines
+    try:
+        if timed_out:
+            raise subprocess.TimeoutExpired(full, timeout, out, err)
+        code = child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # its own session and group, with whatever it started
+        child.wait(timeout=30)
+        raise subprocess.TimeoutExpired(full, timeout, out, err) from None
+    return subprocess.CompletedProcess(full, code, out, err)
 
 
 def pg_available() -> bool:

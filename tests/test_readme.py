@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import free_port, start_process
+from tests.procs import free_port, run_command, start_process
 from tracegym.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,8 +113,7 @@ def _flow_block() -> list[list[str]]:
 
 def _run(argv: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     assert argv[0] == "tracegym", argv
-    return subprocess.run([sys.executable, "-m", "tracegym.cli", *argv[1:]], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **env})
+    return run_command(argv, cwd=cwd, timeout=300, env={**os.environ, **env})
 
 
 def test_recipe_reference_is_generated_from_the_config() -> None:

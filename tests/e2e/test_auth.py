@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.procs import free_port, start_process
+from tests.procs import free_port, run_command, start_process
 from tracegym.client import GatewayClient, SDKConfig
 from tracegym.tasks import read_tasks
 
@@ -28,7 +28,7 @@ def _run(gateway_url: str, key: str | None) -> subprocess.CompletedProcess[str]:
         env["TRACEGYM_API_KEY"] = key
     argv = [sys.executable, "-m", "tracegym.cli", "run", "examples/openai/agent.py:agent", "--gateway", gateway_url,
             "--concurrency", "3", "--exit-when-idle"]
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    return run_command(argv, cwd=ROOT, env=env, timeout=180)
 
 
 def test_keyed_gateway_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import ManagedProcess
+from tests.procs import ManagedProcess, run_command
 from tracegym.client import GatewayClient, SDKConfig
 from tracegym.tasks import read_tasks
 
@@ -30,7 +30,7 @@ def run_example(name: str, gateway_url: str) -> subprocess.CompletedProcess[str]
     }
     argv = [sys.executable, "-m", "tracegym.cli", "run", f"examples/{name}/agent.py:agent"]
     argv += ["--gateway", gateway_url, "--concurrency", "3"]
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return run_command(argv, cwd=ROOT, env=env, timeout=120)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -73,7 +73,7 @@ def test_export_after_examples(gateway: ManagedProcess, tmp_path: Path) -> None:
         out = tmp_path / f"{fmt}.jsonl"
         argv = [sys.executable, "-m", "tracegym.cli", "export", "--gateway", gateway.base_url]
         argv += ["--out", str(out), "--format", fmt]
-        res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        res = run_command(argv, cwd=ROOT, timeout=120)
         assert res.returncode == 0, res.stderr
         rows = [json.loads(line) for line in out.read_text().splitlines()]
         assert {r["rollout_id"] for r in rows} == set(completed), fmt

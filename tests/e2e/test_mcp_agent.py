@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 
 from tests.e2e.scripted_qwen3 import THINKING_REPLY, build_scripted_qwen3
 from tests.gateway.app_support import check_one_merged_sequence
-from tests.procs import ManagedProcess, free_port, start_process
+from tests.procs import ManagedProcess, free_port, run_command, start_process
 from tracegym.client import GatewayClient, SDKConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +52,7 @@ def test_mcp_agent_through_tracegym_run(gateway: ManagedProcess, scripted: tuple
                "MCP_AGENT_FUNCTION_TOOLS": "1"}  # the scripted model writes function calls
         argv = [sys.executable, "-m", "tracegym.cli", "run", "examples/mcp_agent/agent.py:agent",
                 "--gateway", gateway.base_url, "--concurrency", "1", "--exit-when-idle"]
-        res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+        res = run_command(argv, cwd=ROOT, env=env, timeout=180)
         assert res.returncode == 0, res.stderr[-4000:] + gateway.log()
         assert "done 1 | failed 0 | running 0" in res.stderr, res.stderr[-4000:]
         rollout = client.get_rollout(rid)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.procs import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,11 +42,8 @@ def _recipe(tmp: Path, name: str, **extra: object) -> Path:
 
 
 def _train(recipe: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tracegym.cli", "train", str(recipe)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    return run_command(["tracegym", "train", str(recipe)], cwd=ROOT, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def _train_rows(run: Path) -> list[dict]:

@@ -4,7 +4,6 @@ trajectory API's reads, which ``tracegym export`` uses; no inference, no writes)
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.gateway.api.inspector_data import Scenario, make_scenario
-from tests.procs import free_port, start_process
+from tests.procs import free_port, run_command, start_process
 from tracegym.errors import UserError
 from tracegym.gateway.browse import browse_settings, create_browse_app, run_store, run_tokenizer
 
@@ -86,8 +85,7 @@ def test_cli_browses_a_finished_run(run_dir: tuple[Path, Scenario], tmp_path: Pa
         runs = httpx.get(base + "/api/runs").json()["runs"]
         assert {r["run"] for r in runs} >= {"run-a", "run-b"}
         out = tmp_path / f"{how}.jsonl"  # a finished run's rollouts export from the browsing gateway
-        res = subprocess.run(["tracegym", "export", "--gateway", base, "--out", str(out)], capture_output=True,
-                             text=True, timeout=120)
+        res = run_command(["tracegym", "export", "--gateway", base, "--out", str(out)], timeout=120)
         assert res.returncode == 0, res.stderr
         assert s.clean in out.read_text()
         assert httpx.get(f"{base}/api/inspect/rollouts/{s.failed}").status_code == 200

@@ -4,12 +4,11 @@ name no family has stops the gateway before anything starts, listing the familie
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 from pydantic import ValidationError
 
+from tests.procs import run_command
 from tracegym.cli import build_parser
 from tracegym.gateway.proxy.prompt.families import FAMILIES
 from tracegym.gateway.serve import check_chat_format, settings_from_args
@@ -45,9 +44,8 @@ def test_an_unknown_family_is_an_error_listing_the_families(monkeypatch: pytest.
 
 def test_serve_stops_on_an_unknown_family_before_starting_anything() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRACEGYM_CHAT_FORMAT"}
-    res = subprocess.run([sys.executable, "-m", "tracegym.cli", "serve", "--engine", "embedded", "--model",
-                          "tiny-random", "--chat-format", "Llama3"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    res = run_command(["tracegym", "serve", "--engine", "embedded", "--model", "tiny-random", "--chat-format",
+                       "Llama3"], env=env, timeout=120)
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown chat format 'Llama3'" in lines[0] and "llama3, gemma3" in lines[0], lines

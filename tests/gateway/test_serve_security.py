@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.procs import run_command
 from tracegym.cli import build_parser
 from tracegym.gateway.serve import check_binding, is_loopback, security_settings
 
@@ -63,8 +62,8 @@ def test_security_settings(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_serve_refuses_a_public_bind_without_a_key() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRACEGYM_ADMIN_KEY"}
-    res = subprocess.run([sys.executable, "-m", "tracegym.cli", "serve", "--host", "0.0.0.0", "--upstream",
-                          "http://127.0.0.1:1"], env=env, capture_output=True, text=True, timeout=120)
+    res = run_command(["tracegym", "serve", "--host", "0.0.0.0", "--upstream", "http://127.0.0.1:1"], env=env,
+                      timeout=120)
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip().startswith("tracegym serve: refusing to bind 0.0.0.0 without an admin key")
     assert len(res.stderr.strip().splitlines()) == 1

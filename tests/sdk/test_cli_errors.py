@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port, pg_available
+from tests.procs import free_port, pg_available, run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def tracegym(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRACEGYM_DEBUG": ""}
-    return subprocess.run([sys.executable, "-m", "tracegym.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return run_command(["tracegym", *args], cwd=cwd, env=env, timeout=120)
 
 
 def assert_user_error(res: subprocess.CompletedProcess[str], *needles: str) -> list[str]:

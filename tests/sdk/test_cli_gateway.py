@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import free_port
+from tests.procs import free_port, run_command
 from tracegym.cli_gateway import url_source
 from tracegym.client import GatewayClient, GatewayUnreachableError, RetryPolicy, SDKConfig, _give_up
 
@@ -25,8 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def tracegym(*args: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
     base = {k: v for k, v in os.environ.items() if k != "TRACEGYM_GATEWAY"}
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "tracegym.cli", *args], cwd=cwd, env={**base, **(env or {})},
-                         capture_output=True, text=True, timeout=60)
+    res = run_command(["tracegym", *args], cwd=cwd, env={**base, **(env or {})}, timeout=60)
     return res, time.monotonic() - t0
 
 

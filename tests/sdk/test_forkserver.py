@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import fork_server
+from tests.procs import fork_server, run_command
 from tracegym import forkserver
 from tracegym.procs import spawn_process
 
@@ -89,3 +89,19 @@ def test_a_request_it_cannot_serve_is_an_error(server: str) -> None:
         forkserver._ask(server, {"op": "nonsense"})
     with pytest.raises(OSError, match="ChildProcessError"):  # not one of its children: an answer, not a hang
         forkserver._ask(server, {"op": "wait", "pid": os.getpid()})
+
+
+def test_run_command_forks_a_command_to_its_end_with_its_output_apart(
+        server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {**os.environ, "FORKED_MARKER": "m2", "PYTHONPATH": str(ROOT)}
+    monkeypatch.setenv(forkserver.FORKSERVER_ENV, server)
+    res = run_command([*CHILD, "3"], cwd=tmp_path, env=env)
+    assert res.returncode == 3 and res.stderr == "to stderr\n"
+    assert f"argv=['3'] cwd={tmp_path} marker=m2" in res.stdout and "frozen=True" in res.stdout  # forked
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        run_command([*CHILD, "sleep"], cwd=ROOT, env=env, timeout=1)
+    assert time.monotonic() - t0 < 30 and "argv=['sleep']" in str(timed_out.value.output)
+    monkeypatch.delenv(forkserver.FORKSERVER_ENV)  # no server: subprocess.run, the same result
+    fresh = run_command([*CHILD, "3"], cwd=tmp_path, env=env)
+    assert fresh.returncode == 3 and fresh.stderr == "to stderr\n" and "frozen=False" in fresh.stdout

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import ManagedProcess, free_port, start_process
+from tests.procs import ManagedProcess, free_port, run_command, start_process
 from tracegym.client import GatewayClient, SDKConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ def run(gateway: ManagedProcess, *args: str) -> subprocess.CompletedProcess[str]
     argv = [sys.executable, "-m", "tracegym.cli", "run", "tests.sdk.agents:echo_reward", "--gateway",
             gateway.base_url, *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    return run_command(argv, cwd=ROOT, env=env, timeout=120)
 
 
 def test_run_exits_once_the_queue_is_drained(client: GatewayClient, gateway: ManagedProcess) -> None:

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import empty_pg_database, fork_server, fresh_pg_database, pg_available
+from tests.procs import (
+    ForkServer,
+    empty_pg_database,
+    fork_server,
+    forkserver_named,
+    fresh_pg_database,
+    pg_available,
+    wait_for_socket,
+)
 
 SHARED_BY_ONE_WORKER = frozenset({"service", "gateway"})
 """Session-scoped fixtures that start a costly process (tests/trainer/service: ``tracegym tinker-serve``;
@@ -54,8 +62,25 @@ def skip_learning_where_slow(items: list[pytest.Item]) -> None:
         item.add_marker(skip)
 
 
+SHARED_FORKSERVER_ENV = "TRACEGYM_TEST_SHARED_FORKSERVER"
+"""Where ``pytest -n N`` names, for its workers, the fork server it started for them (``forked_children``)."""
+SHARED_FORKSERVER = pytest.StashKey[ForkServer]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     share_one_verified_ssl_context()
+    if (config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+            and os.environ.get("TRACEGYM_TEST_FORKSERVER", "1") != "0"):
+        # one fork server for all the workers, preloading while they collect: each worker starting its own
+        # paid the same seconds of imports again
+        server = config.stash[SHARED_FORKSERVER] = ForkServer()
+        os.environ[SHARED_FORKSERVER_ENV] = server.path  # the workers, started after this, inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if (server := config.stash.get(SHARED_FORKSERVER, None)) is not None:
+        server.close()
+        os.environ.pop(SHARED_FORKSERVER_ENV, None)
 
 
 LAST_MODULE = pytest.StashKey[str]()
@@ -160,11 +185,16 @@ def forked_children(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
                     ) -> Iterator[str | None]:
     """The child processes of this worker's tests start from one preloaded interpreter (``tests.procs.fork_server``):
     each then starts in a fraction of a second instead of importing torch, transformers and the gateway again.
+    Under ``pytest -n N`` the workers share the one their controller started (``pytest_configure``).
     Not in a session with slow tests (they train, with Ray and torch.distributed in their children: those start
     as fresh processes, as a user's run does), nor when ``$TRACEGYM_TEST_FORKSERVER`` is ``0``."""
     if os.environ.get("TRACEGYM_TEST_FORKSERVER", "1") == "0" or any(
             item.get_closest_marker("slow") for item in request.session.items):
         yield None
+        return
+    if (shared := os.environ.get(SHARED_FORKSERVER_ENV)) and wait_for_socket(shared):
+        with forkserver_named(shared):
+            yield shared
         return
     with fork_server(tmp_path_factory.mktemp("forkserver") / "forkserver.log") as path:
         yield path

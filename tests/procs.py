@@ -24,8 +24,8 @@ from tracegym.procs import ManagedProcess, free_port, start_process, tracegym_ar
 
 PG_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
-__all__ = ["PG_ADMIN_URL", "ManagedProcess", "empty_pg_database", "fork_server", "free_port", "fresh_pg_database",
-           "pg_available", "run_command", "start_process"]
+__all__ = ["PG_ADMIN_URL", "ForkServer", "ManagedProcess", "empty_pg_database", "fork_server", "forkserver_named",
+           "free_port", "fresh_pg_database", "pg_available", "run_command", "start_process", "wait_for_socket"]
 
 ROOT = Path(__file__).resolve().parents[1]
 TEST_PRELOAD = ("benchmarks.fake_sglang", "transformers.models.qwen3.modeling_qwen3")
@@ -33,35 +33,69 @@ TEST_PRELOAD = ("benchmarks.fake_sglang", "transformers.models.qwen3.modeling_qw
 start, and the model class of ``qwen3-tiny``."""
 
 
+class ForkServer:
+    """A ``tracegym.forkserver`` started in the background: ``wait`` for its socket, ``close`` to stop it."""
+
+    def __init__(self, log_path: Path | None = None) -> None:
+        self.folder = tempfile.mkdtemp(prefix="tg-fork-")  # short: a Unix socket's path is at most 107 bytes
+        self.path = os.path.join(self.folder, "socket")
+        self.log_path = log_path or Path(self.folder, "forkserver.log")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tracegym.forkserver", self.path, *TEST_PRELOAD],
+                                         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait(self, timeout: float = 120.0) -> str:
+        """Its socket's path, once it serves."""
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the fork server did not start; its log:\n"
+                                   f"{self.log_path.read_text(errors='replace')}")
+            time.sleep(0.05)
+        return self.path
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 @contextmanager
 def fork_server(log_path: Path, timeout: float = 120.0) -> Iterator[str]:
     """A ``tracegym.forkserver`` for this process's children, named in ``$TRACEGYM_FORKSERVER`` while it runs
     (and so to their children): each ``tracegym`` command and fake upstream a test starts is forked from it
     instead of importing torch, transformers and the gateway again. Yields its socket's path."""
-    folder = tempfile.mkdtemp(prefix="tg-fork-")  # short: a Unix socket's path is at most 107 bytes
-    path = os.path.join(folder, "socket")
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tracegym.forkserver", path, *TEST_PRELOAD], cwd=ROOT,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    server = ForkServer(log_path)
     try:
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(path):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the fork server did not start; its log:\n{log_path.read_text(errors='replace')}")
-            time.sleep(0.05)
-        before = os.environ.get(FORKSERVER_ENV)
-        os.environ[FORKSERVER_ENV] = path
-        try:
-            yield path
-        finally:
-            if before is None:
-                os.environ.pop(FORKSERVER_ENV, None)
-            else:
-                os.environ[FORKSERVER_ENV] = before
+        with forkserver_named(server.wait(timeout)):
+            yield server.path
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        shutil.rmtree(folder, ignore_errors=True)
+        server.close()
+
+
+@contextmanager
+def forkserver_named(path: str) -> Iterator[str]:
+    """``$TRACEGYM_FORKSERVER`` set to ``path`` while the block runs."""
+    before = os.environ.get(FORKSERVER_ENV)
+    os.environ[FORKSERVER_ENV] = path
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop(FORKSERVER_ENV, None)
+        else:
+            os.environ[FORKSERVER_ENV] = before
+
+
+def wait_for_socket(path: str, timeout: float = 120.0) -> bool:
+    """Whether a fork server's socket appears at ``path`` within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def run_command(argv: list[str], *, cwd: str | Path | None = None, env: dict[str, str] | None = None,

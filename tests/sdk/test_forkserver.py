@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server(forked_children: str | None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The session's fork server where it has one (``tests/conftest.py``), else one of this module's."""
+    if forked_children is not None:
+        yield forked_children
+        return
     with fork_server(tmp_path_factory.mktemp("fs") / "server.log") as path:
         yield path
 

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -46,13 +46,9 @@ class ForkServer:
 
     def wait(self, timeout: float = 120.0) -> str:
         """Its socket's path, once it serves."""
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(self.path):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"the fork server did not start; its log:\n"
-                                   f"{self.log_path.read_text(errors='replace')}")
-            time.sleep(0.05)
+        if not wait_for_socket(self.path, timeout, alive=lambda: self.proc.poll() is None):
+            self.close()
+            raise RuntimeError(f"the fork server did not start; its log:\n{self.log_path.read_text(errors='replace')}")
         return self.path
 
     def close(self) -> None:
@@ -88,11 +84,11 @@ def forkserver_named(path: str) -> Iterator[str]:
             os.environ[FORKSERVER_ENV] = before
 
 
-def wait_for_socket(path: str, timeout: float = 120.0) -> bool:
-    """Whether a fork server's socket appears at ``path`` within ``timeout`` seconds."""
+def wait_for_socket(path: str, timeout: float = 120.0, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Whether a fork server's socket appears at ``path`` within ``timeout`` seconds (and while ``alive``)."""
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
-        if time.monotonic() > deadline:
+        if not alive() or time.monotonic() > deadline:
             return False
         time.sleep(0.05)
     return True
@@ -107,22 +103,22 @@ def run_command(argv: list[str], *, cwd: str | Path | None = None, env: dict[str
     runs. Its stdin is ``/dev/null``."""
     full = tracegym_argv(argv)
     server = os.environ.get(FORKSERVER_ENV)
-    if not server or forkserver.module_argv(full) is None:
+    child = None
+    if server and forkserver.module_argv(full) is not None:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            child = forkserver.spawn(server, full, env=dict(os.environ if env is None else env), cwd=cwd,
+                                     log_path=None, fds=(out_w, err_w))
+        except OSError:  # the server is gone: run it as usual
+            os.close(out_r)
+            os.close(err_r)
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+    if child is None:
         return subprocess.run(full, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    try:
-        child = forkserver.spawn(server, full, env=dict(os.environ if env is None else env), cwd=cwd,
-                                 log_path=None, fds=(out_w, err_w))
-    except OSError:  # the server is gone: run it as usual
-        os.close(out_r)
-        os.close(err_r)
-        return subprocess.run(full, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-    finally:
-        os.close(out_w)
-        os.close(err_w)
     chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
